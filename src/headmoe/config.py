@@ -1,0 +1,153 @@
+"""User-facing parallel configuration.
+
+`ParallelConfig` is pure data: it says how many ranks each parallel axis takes and how the
+MoE layers are cut. It is validated on construction, so a bad layout fails on every rank
+before any process group exists. The rank arithmetic lives in
+`headmoe.distributed.topology`; the worked tables in `docs/parallelism.md`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+MoEExchange = Literal["auto", "ep_group", "sp_group"]
+MOE_EXCHANGES: tuple[str, ...] = ("auto", "ep_group", "sp_group")
+EXPERT_PARALLEL_STYLES: tuple[str, ...] = ("standard", "head")
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Return `value` if it is a strict positive `int` (not bool), else raise `ValueError`.
+
+    The message names the field and the offending value, e.g.
+    ``ulysses_degree must be a positive int, got 0``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one job's ranks are arranged.
+
+    World size = TP x SP x CFG x DP; expert parallelism never changes it (for MAGI-2 it only
+    says how each SP group is cut into EP runs for the MoE layers).
+    """
+
+    ulysses_degree: int = 1
+    """SP: ranks that share one sequence (Ulysses). Tokens are split over them, and attention
+    heads during attention."""
+
+    cfg_parallel_size: int = 1
+    """CFG: 1 packs the conditional and unconditional branches in one sequence; 2 runs them on
+    two SP groups and all-gathers the predictions once per step."""
+
+    data_parallel_size: int = 1
+    """DP: independent requests; no communication."""
+
+    tensor_parallel_size: int = 1
+    """TP: reserved for weight sharding. Must be 1 when head-style expert parallelism is on."""
+
+    enable_expert_parallel: bool = False
+    """Shard the MoE layers' experts over ranks (for head-style models: shard the MoE heads)."""
+
+    expert_parallel_size: int | None = None
+    """EP degree. Head style: must divide `ulysses_degree`; None means the whole SP group.
+    Standard style: must be None (the EP group spans TP x SP x CFG x DP). Setting it requires
+    `enable_expert_parallel`."""
+
+    moe_exchange: str = "auto"
+    """Where MoE tokens are exchanged: "ep_group" (inside each EP run), "sp_group" (over the
+    whole SP group with SP/EP replicated head owners) or "auto" (chosen by the MoE layer; see
+    docs/parallelism.md)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "ulysses_degree",
+            "cfg_parallel_size",
+            "data_parallel_size",
+            "tensor_parallel_size",
+        ):
+            check_positive_int(name, getattr(self, name))
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(
+                f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}"
+            )
+        if self.expert_parallel_size is not None:
+            check_positive_int("expert_parallel_size", self.expert_parallel_size)
+            if not self.enable_expert_parallel:
+                raise ValueError(
+                    f"expert_parallel_size={self.expert_parallel_size!r} requires "
+                    "enable_expert_parallel=True"
+                )
+        if self.moe_exchange not in MOE_EXCHANGES:
+            raise ValueError(
+                f"moe_exchange must be one of {MOE_EXCHANGES}, got {self.moe_exchange!r}"
+            )
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The SP degree (alias of `ulysses_degree`)."""
+        return self.ulysses_degree
+
+    @property
+    def world_size(self) -> int:
+        """TP x SP x CFG x DP. EP does not enter."""
+        return (
+            self.tensor_parallel_size
+            * self.ulysses_degree
+            * self.cfg_parallel_size
+            * self.data_parallel_size
+        )
+
+    def resolved_expert_parallel_size(self, style: str = "head") -> int:
+        """The EP degree this config means for a model of `style` (validated by
+        `validate_for_style`): 1 with EP off for the standard style, the SP degree by default
+        for the head style (MAGI-2's "EP off" is EP = SP), otherwise the set value."""
+        self.validate_for_style(style)
+        if style == "standard":
+            return self.world_size if self.enable_expert_parallel else 1
+        if self.expert_parallel_size is None or not self.enable_expert_parallel:
+            return self.ulysses_degree
+        return self.expert_parallel_size
+
+    def validate_for_style(self, style: str) -> None:
+        """Check the EP fields against a model's `expert_parallel_style`.
+
+        Raises `ValueError` naming the field and value."""
+        if style not in EXPERT_PARALLEL_STYLES:
+            raise ValueError(
+                f"expert_parallel_style must be one of {EXPERT_PARALLEL_STYLES}, got {style!r}"
+            )
+        if style == "standard":
+            if self.expert_parallel_size is not None:
+                raise ValueError(
+                    f"expert_parallel_size={self.expert_parallel_size!r} cannot be set for a "
+                    "standard-style model: its EP group spans TP x SP x CFG x DP"
+                )
+            return
+        if self.enable_expert_parallel and self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r} must be 1 when head-style "
+                "expert parallelism is enabled"
+            )
+        ep = self.expert_parallel_size
+        if ep is not None and self.ulysses_degree % ep != 0:
+            raise ValueError(
+                f"expert_parallel_size={ep!r} must divide ulysses_degree="
+                f"{self.ulysses_degree!r} for a head-style model"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (JSON-serialisable)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        """Inverse of `to_dict`; unknown keys are rejected by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ParallelConfig field(s): {', '.join(unknown)}")
+        return cls(**data)

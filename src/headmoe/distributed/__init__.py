@@ -1,0 +1,6 @@
+"""Rank topology, process groups and the exchanges that run over them."""
+
+from headmoe.distributed.context import ParallelContext, default_backend
+from headmoe.distributed.topology import AXES, Coords, Topology, plan_topology
+
+__all__ = ["AXES", "Coords", "ParallelContext", "Topology", "default_backend", "plan_topology"]

@@ -1,0 +1,187 @@
+"""Process groups of a `Topology`, held in an explicit context object.
+
+There are no module-level process groups: code that communicates receives a
+`ParallelContext` (or the group it needs) from its caller.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from headmoe.config import ParallelConfig
+from headmoe.distributed.topology import AXES, Coords, Topology, plan_topology
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, Gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@dataclass
+class ParallelContext:
+    """This rank's view of a job: its topology, coordinates and process groups.
+
+    Build it with `ParallelContext.initialize` (joins or creates the default group, then
+    creates every axis group) or `ParallelContext.single` (one rank, no torch.distributed).
+    Groups of a world of one rank are `None`. Call `destroy()` when done; a new context with
+    another layout can then be built over the same default group.
+    """
+
+    topology: Topology
+    rank: int
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _groups: dict[str, Any] = field(default_factory=dict)
+    _owned: list[Any] = field(default_factory=list)
+    _owns_default_group: bool = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def single(
+        cls, config: ParallelConfig | None = None, expert_parallel_style: str = "head"
+    ) -> ParallelContext:
+        """A one-rank context; every group is None and no collective is ever issued."""
+        config = config or ParallelConfig()
+        topo = plan_topology(1, config, expert_parallel_style)
+        return cls(topology=topo, rank=0, _groups={a: None for a in AXES})
+
+    @classmethod
+    def initialize(
+        cls,
+        config: ParallelConfig,
+        *,
+        expert_parallel_style: str = "head",
+        rank: int | None = None,
+        world_size: int | None = None,
+        init_method: str | None = None,
+        backend: str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        device: torch.device | None = None,
+    ) -> ParallelContext:
+        """Create the process groups of `config` on this rank.
+
+        If the default group is already initialised it is used (and not destroyed by
+        `destroy`). Otherwise it is initialised from the explicit `rank`, `world_size` and
+        `init_method`, or from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+        MASTER_PORT). The topology is validated *before* any group is created. Group creation
+        is transactional: if one fails, all groups created so far (and a default group
+        created here) are destroyed and the error propagates.
+        """
+        owns_default = False
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            if rank is None:
+                rank = _env_int("RANK")
+            if world_size is None:
+                world_size = _env_int("WORLD_SIZE")
+        topo = plan_topology(world_size, config, expert_parallel_style)
+        topo.coords(rank)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend or default_backend(),
+                init_method=init_method or "env://",
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+            owns_default = True
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if dist.get_backend() == "nccl"
+                else torch.device("cpu")
+            )
+        ctx = cls(topology=topo, rank=rank, device=device, _owns_default_group=owns_default)
+        try:
+            ctx._create_groups(backend, timeout)
+        except BaseException:
+            ctx.destroy()
+            raise
+        return ctx
+
+    def _create_groups(self, backend: str | None, timeout: timedelta) -> None:
+        # Every rank creates every group in the same order (torch.distributed requires it);
+        # axes with identical membership share one group object.
+        by_members: dict[tuple[int, ...], Any] = {}
+        for axis in AXES:
+            mine = None
+            for members in self.topology.groups(axis):
+                key = tuple(members)
+                if key not in by_members:
+                    if len(key) == 1:
+                        by_members[key] = None
+                    else:
+                        group = dist.new_group(list(key), timeout=timeout, backend=backend)
+                        self._owned.append(group)
+                        by_members[key] = group
+                if self.rank in key:
+                    mine = by_members[key]
+            self._groups[axis] = mine
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def config(self) -> ParallelConfig:
+        return self.topology.config
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def coords(self) -> Coords:
+        return self.topology.coords(self.rank)
+
+    def group(self, axis: str) -> Any:
+        """This rank's process group of `axis` ("tp", "sp", "cfg", "dp", "ep"); None when the
+        group has one rank."""
+        if axis not in AXES:
+            raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+        return self._groups[axis]
+
+    def group_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's `axis` group, in group-rank order."""
+        return self.topology.group_of(axis, self.rank)
+
+    def group_rank(self, axis: str) -> int:
+        """This rank's index inside its `axis` group."""
+        return self.group_ranks(axis).index(self.rank)
+
+    # ------------------------------------------------------------------ teardown
+    def destroy(self) -> None:
+        """Destroy the groups this context created (and the default group if it created it)."""
+        while self._owned:
+            group = self._owned.pop()
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - best effort during teardown
+                pass
+        self._groups = {a: None for a in AXES}
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_default_group = False
+
+    def __enter__(self) -> ParallelContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.destroy()
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(
+            f"{name} is not set: pass rank/world_size explicitly or launch with torchrun"
+        )
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an int, got {value!r}") from None
