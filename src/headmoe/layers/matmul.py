@@ -1,0 +1,68 @@
+"""Batch-invariant matrix products.
+
+A token's result must not depend on how many other rows share its matmul (that number
+changes with the layout: SP shard sizes, modality groups of a shard, tokens per expert).
+Measured with torch 2.13 (MKL) on our CPU machines: an fp32 `A[:M] @ W` differs in bits
+from the first M rows of a larger product for M in {1, 2, 3} with one thread and
+{1, 2, 3, 5, 6, 7, 9, 10, 11} with two, and matches for every M >= 12 tried (up to 3000,
+at any row offset); bf16 matched everywhere. Small row counts therefore get padded with
+zero rows to `MIN_ROWS`, which takes the same kernel path as large batches. Every
+layout-dependent matmul in headmoe goes through these helpers; tests/layers/test_matmul.py
+checks the property on the machine that runs the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: row counts below this are padded with zero rows (a multiple of every small-M kernel block)
+MIN_ROWS = 16
+
+
+def _pad_rows(x2d: torch.Tensor) -> torch.Tensor:
+    m = x2d.shape[0]
+    if m >= MIN_ROWS:
+        return x2d
+    padded = x2d.new_zeros((MIN_ROWS, x2d.shape[1]))
+    padded[:m] = x2d
+    return padded
+
+
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear` whose rows do not depend on the batch.
+
+    x: `[..., K]`; weight: `[N, K]`; bias: `[N]` or None; returns `[..., N]` in the
+    promoted dtype of `F.linear`. Row i of the result has the same bits whatever the other
+    rows are and however many there are.
+    """
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    m = x2d.shape[0]
+    if m == 0:
+        return x.new_empty((*lead, weight.shape[0]))
+    out = F.linear(_pad_rows(x2d), weight, bias)
+    return out[:m].reshape(*lead, weight.shape[0])
+
+
+def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` for a: `[M, K]`, b: `[K, N]` -> `[M, N]`, batch-invariant over the rows of a."""
+    m = a.shape[0]
+    if m == 0:
+        return a.new_empty((0, b.shape[1]))
+    return (_pad_rows(a) @ b)[:m]
+
+
+def bi_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm` for a: `[G, M, K]`, b: `[G, K, N]` -> `[G, M, N]`, batch-invariant over
+    the rows of each group (M padded to at least `MIN_ROWS`)."""
+    g, m, k = a.shape
+    if m == 0:
+        return a.new_empty((g, 0, b.shape[2]))
+    if m < MIN_ROWS:
+        padded = a.new_zeros((g, MIN_ROWS, k))
+        padded[:, :m] = a
+        a = padded
+    return torch.bmm(a, b)[:, :m]
