@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from headmoe.config import ParallelConfig
+from headmoe.distributed.counters import Counters
 from headmoe.distributed.topology import AXES, Coords, Topology, plan_topology
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -38,6 +39,8 @@ class ParallelContext:
     topology: Topology
     rank: int
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    counters: Counters = field(default_factory=Counters)
+    """This rank's MoE-row and exchange-byte counters (see `headmoe.distributed.counters`)."""
     _groups: dict[str, Any] = field(default_factory=dict)
     _owned: list[Any] = field(default_factory=list)
     _owns_default_group: bool = False
