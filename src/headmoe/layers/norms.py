@@ -1,0 +1,45 @@
+"""RMSNorm with a zero-initialised delta weight, computed in fp32 (MAGI-2 convention)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last dim.
+
+    x: `[..., C]` any float dtype; weight: `[C]` or broadcastable to x (for example one row
+    of weights per token, `[T, C]`), fp32. Returns fp32 `[..., C]`; each row depends only on
+    itself.
+    """
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+
+
+class RMSNorm(nn.Module):
+    """`rms_norm` with its own fp32 `weight` `[dim]` (zeros: the identity scale)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[..., dim]` -> fp32 `[..., dim]`."""
+        return rms_norm(x, self.weight, self.eps)
+
+
+class ModalityRMSNorm(nn.Module):
+    """One RMSNorm per modality; `weight` `[num_modalities * dim]` fp32, modality-major."""
+
+    def __init__(self, num_modalities: int, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.num_modalities, self.dim, self.eps = num_modalities, dim, eps
+        self.weight = nn.Parameter(torch.zeros(num_modalities * dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, modality: torch.Tensor) -> torch.Tensor:
+        """x `[T, dim]`, modality `[T]` int64 ids -> fp32 `[T, dim]` (row t uses the weight
+        of `modality[t]`)."""
+        w = self.weight.view(self.num_modalities, self.dim)[modality]
+        return rms_norm(x, w, self.eps)

@@ -1,0 +1,1 @@
+"""Model definitions (the MAGI-2 family)."""

@@ -1,0 +1,34 @@
+"""Position-independent activations (checked bitwise on this machine's kernels)."""
+
+import pytest
+import torch
+
+from headmoe.layers.activations import sigmoid, swiglu7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sigmoid_bits_do_not_depend_on_position(dtype, threads):
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = (torch.randn(70_001, generator=torch.Generator().manual_seed(0)) * 6).to(dtype)
+        full = sigmoid(x)
+        for n in [*range(1, 40), 1000, 40_001]:
+            for off in (0, 3, 17):
+                assert torch.equal(sigmoid(x[off : off + n]), full[off : off + n]), (n, off)
+        assert torch.allclose(full.float(), torch.sigmoid(x.float()), rtol=1e-2, atol=1e-6)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_swiglu7_formula():
+    h = torch.tensor([[9.0, -1.0, 0.5, -9.0], [-2.0, 3.0, 10.0, 8.0]])
+    out = swiglu7(h)
+    for r in range(2):
+        for j in range(2):
+            g = min(h[r, j].item(), 7.0)
+            u = max(min(h[r, 2 + j].item(), 7.0), -7.0)
+            expect = g / (1 + torch.exp(torch.tensor(-1.702 * g)).item()) * (u + 1)
+            assert out[r, j].item() == pytest.approx(expect, rel=1e-6)
+    assert swiglu7(h.bfloat16()).dtype == torch.float32
