@@ -1,0 +1,108 @@
+"""Start local ranks through torch's elastic launcher, or join a torchrun world.
+
+    results = launch_local(fn, nproc=4, args=(job,))   # fn(*args) on 4 spawned ranks
+
+`launch_local` runs one single-node elastic job (spawn start method, `max_restarts=0`, c10d
+rendezvous on a free loopback port). Each rank finds RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment exactly as under torchrun,
+so the same rank function serves both: `torchrun_env()` reads them (None outside such a
+world). If any rank fails, the launcher stops the others and `launch_local` raises
+`LaunchFailure` with every failed rank's message (its exception's traceback, recorded by
+torch's error-file mechanism, or the signal that killed it).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in a torchrun-style world."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+class LaunchFailure(RuntimeError):
+    """One or more ranks failed; ``failures`` maps global rank -> message."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        parts = [f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(failures.items())]
+        super().__init__(f"{len(failures)} rank(s) failed\n" + "\n".join(parts))
+
+
+def torchrun_env() -> RankEnv | None:
+    """The world this process was started in by torchrun or `launch_local` (RANK, WORLD_SIZE
+    and LOCAL_RANK all set), else None. Raises `ValueError` naming a variable that is set but
+    not an int."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not all(n in os.environ for n in names):
+        return None
+    values = {}
+    for n in (*names, "LOCAL_WORLD_SIZE"):
+        raw = os.environ.get(n, os.environ["WORLD_SIZE"])
+        try:
+            values[n] = int(raw)
+        except ValueError:
+            raise ValueError(f"environment variable {n} must be an int, got {raw!r}") from None
+    return RankEnv(
+        values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"]
+    )
+
+
+def launch_local(
+    fn: Callable[..., Any],
+    nproc: int,
+    args: tuple = (),
+    *,
+    run_id: str | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` spawned local ranks; return their results in rank order.
+
+    ``fn`` must be a picklable module-level function that reads its rank from the environment (`torchrun_env`) and initialises its process
+    group with ``init_method="env://"``. Raises `ValueError` for ``nproc < 1`` and
+    `LaunchFailure` if any rank fails (the others are then stopped).
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=run_id or uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        start_method="spawn",
+        monitor_interval=0.1,
+    )
+    try:
+        results = elastic_launch(config, fn)(*args)
+    except ChildFailedError as exc:
+        raise LaunchFailure(
+            {rank: _failure_message(f) for rank, f in exc.failures.items()}
+        ) from None
+    return [results[r] for r in range(nproc)]
+
+
+def _failure_message(failure: Any) -> str:
+    data = getattr(failure, "error_file_data", None) or {}
+    inner = data.get("message", {}) if isinstance(data, dict) else {}
+    text = ""
+    if isinstance(inner, dict):
+        text = inner.get("extraInfo", {}).get("py_callstack") or inner.get("message", "")
+    text = str(text or failure.message or "").strip()
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"killed by signal {-failure.exitcode}"
+    return text or f"exited with code {failure.exitcode}"

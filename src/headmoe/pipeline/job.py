@@ -1,0 +1,364 @@
+"""The per-rank text-to-video+audio job: noise, CFG branches, sampler loop, decode, output.
+
+Every rank of a request runs `run_job` with the same `GenerateJob`:
+
+1. Noise: one CPU `torch.Generator` seeded with ``seed + dp_index`` (DP group k runs the
+   request with seed ``seed + k``); video noise ``[T_lat, H_lat, W_lat, C_video]`` is drawn
+   before audio noise ``[T_audio, C_audio]``, so every rank of a DP group holds the same
+   noise whatever the layout.
+2. Each step the rank's SP group runs the transformer on its branches: with
+   ``cfg_parallel_size=1`` both ``[cond, uncond]`` packed in one forward; with 2 only the
+   branch of its CFG rank (0 = cond, 1 = uncond), and the predictions are all-gathered over
+   the CFG group (one collective). Every rank then combines them,
+   ``v = v_u + s (v_c - v_u)`` (``s`` = `guidance_scale` for video, `audio_guidance_scale`
+   for audio), and steps its own video and audio samplers: identical inputs, identical
+   elementwise arithmetic, so every rank holds the same latents.
+3. The writer of each DP group (its rank with SP, CFG and TP coordinates 0) decodes, hashes
+   and writes ``<output>`` (DP 1) or ``<stem>.dp<k><suffix>`` plus the JSON sidecar, after
+   gathering every rank's step times and counters. Nothing is written if any step fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from headmoe.config import ParallelConfig
+from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.launch import torchrun_env
+from headmoe.pipeline.encoders import (
+    AudioDecoder,
+    ByteTextEncoder,
+    TextEncoder,
+    TinyAudioDecoder,
+    TinyVideoDecoder,
+    VideoDecoder,
+)
+from headmoe.pipeline.media import (
+    quantize_audio,
+    sidecar_path,
+    tensor_sha256,
+    write_mp4,
+    write_sidecar,
+)
+from headmoe.pipeline.request import GenerateRequest
+from headmoe.pipeline.sampler import cfg_combine, flow_sigmas, make_sampler
+
+#: the seed of the embedded tiny model's random checkpoint
+TINY_CHECKPOINT_SEED = 0
+
+
+@dataclass(frozen=True)
+class Branch:
+    """One CFG branch as the pipeline hands it to a denoiser: video latents
+    ``[T_lat, H_lat, W_lat, C_video]``, audio latents ``[T_audio, C_audio]``, text features
+    ``[L_text, C_text]`` (fp32, on the rank's device) and the noise levels (1 = pure noise)."""
+
+    video: torch.Tensor
+    audio: torch.Tensor
+    text: torch.Tensor
+    t_video: float
+    t_audio: float
+
+
+class Denoiser(Protocol):
+    """Velocity predictions ``[(v_video, v_audio)]`` (fp32, shaped like each branch's video
+    and audio) for the branches this rank's SP group runs; identical on every rank of it."""
+
+    def __call__(self, branches: Sequence[Branch]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+@dataclass
+class Components:
+    """What a job runs: the transformer behind `Denoiser` and the three codecs."""
+
+    denoiser: Denoiser
+    text_encoder: TextEncoder
+    video_decoder: VideoDecoder
+    audio_decoder: AudioDecoder
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """Everything a rank needs (picklable: it travels to spawned ranks).
+
+    ``model_config`` is a `Magi2Config`; ``checkpoint`` its weights (see `resolve_model`).
+    ``output`` None computes and returns the hashes without writing files. ``components``
+    replaces `magi2_components` (a module-level function, for tests)."""
+
+    request: GenerateRequest
+    parallel: ParallelConfig
+    model_config: Any
+    checkpoint: str
+    output: str | None
+    timeout_s: float = 300.0
+    progress: bool = True
+    components: Callable[[ParallelContext, GenerateJob], Components] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form facts recorded in the sidecar (for example the launch command)."""
+
+
+# ---------------------------------------------------------------------- the MAGI-2 parts
+class Magi2Denoiser:
+    """`Denoiser` over a `headmoe.models.magi2.Magi2Transformer`."""
+
+    def __init__(self, model: Any):
+        from headmoe.models.magi2 import BranchInput
+
+        self.model, self._input = model, BranchInput
+
+    @torch.no_grad()
+    def __call__(self, branches: Sequence[Branch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        outs = self.model(
+            [self._input(b.video, b.audio, b.text, b.t_video, b.t_audio) for b in branches]
+        )
+        return [(o.video, o.audio) for o in outs]
+
+
+def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
+    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded, and the
+    embedded tiny text encoder and decoders sized to the model's channels."""
+    from headmoe.models.magi2 import Magi2Transformer, load_checkpoint
+
+    cfg = job.model_config
+    model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
+    load_checkpoint(model, job.checkpoint)
+    model.to(ctx.device).eval()
+    return Components(
+        Magi2Denoiser(model),
+        ByteTextEncoder(cfg.text_in_channels),
+        TinyVideoDecoder(cfg.video_in_channels),
+        TinyAudioDecoder(cfg.audio_in_channels),
+    )
+
+
+def resolve_model(
+    model: str, cache_dir: str | os.PathLike, model_config: str | None = None
+) -> tuple[Any, str]:
+    """``(Magi2Config, checkpoint path)`` for ``model``: the preset "tiny" (deterministic
+    random weights, seed `TINY_CHECKPOINT_SEED`, written once to ``cache_dir`` under a name
+    that hashes the tensor spec, atomically) or a checkpoint path (``.safetensors`` or
+    ``.safetensors.index.json``) whose config is the preset ``model_config`` or a
+    ``config.json`` (a `Magi2Config.to_dict()`) in the checkpoint's folder.
+
+    Raises `ValueError` naming ``model`` / ``model_config`` for anything else."""
+    from headmoe.models.magi2 import (
+        PRESETS,
+        Magi2Config,
+        checkpoint_spec,
+        get_config,
+        write_random_checkpoint,
+    )
+
+    if model == "tiny":
+        cfg = get_config("tiny")
+        spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
+        key = json.dumps([cfg.to_dict(), spec, TINY_CHECKPOINT_SEED], default=list)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        path = (
+            Path(cache_dir).expanduser() / f"tiny-seed{TINY_CHECKPOINT_SEED}-{digest}.safetensors"
+        )
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            try:
+                write_random_checkpoint(cfg, tmp, seed=TINY_CHECKPOINT_SEED)
+                os.replace(tmp, path)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+        return cfg, str(path)
+    if model in PRESETS:
+        raise ValueError(
+            f"model={model!r}: only the 'tiny' preset has embedded random weights; pass a "
+            f"checkpoint path and model_config={model!r}"
+        )
+    path = Path(model).expanduser()
+    if not path.is_file() or not path.name.endswith((".safetensors", ".safetensors.index.json")):
+        raise ValueError(
+            f"model must be 'tiny' or an existing .safetensors / .safetensors.index.json file, "
+            f"got {model!r}"
+        )
+    if model_config is not None:
+        return get_config(model_config), str(path)
+    cfg_file = path.parent / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(
+            f"model={model!r} has no config.json next to it; set model_config to a preset "
+            f"({', '.join(sorted(PRESETS))})"
+        )
+    raw = json.loads(cfg_file.read_text())
+    return Magi2Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}), str(
+        path
+    )
+
+
+def output_path(output: str | os.PathLike, dp_index: int, dp_size: int) -> Path:
+    """``output`` for one DP group, ``<stem>.dp<k><suffix>`` for group k of several."""
+    p = Path(output)
+    return p if dp_size == 1 else p.with_name(f"{p.stem}.dp{dp_index}{p.suffix}")
+
+
+# ---------------------------------------------------------------------- the job
+def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
+    """Run ``job`` on this rank of ``ctx`` (every rank of the world calls it together).
+
+    Returns ``{"rank", "dp_index", "seed", "video_sha256", "audio_sha256", "output",
+    "sidecar", "step_times_s"}``; the hashes are those of the decoded uint8 frames
+    ``[F, H, W, 3]`` and int16 audio ``[channels, samples]`` on the DP group's writer, None
+    on other ranks. Bad inputs raise `ValueError` before any collective."""
+    t_start = time.perf_counter()
+    req, topo, coords = job.request, ctx.topology, ctx.coords
+    parts = (job.components or magi2_components)(ctx, job)
+    shape = parts.video_decoder.latent_shape(req.num_frames, req.height, req.width)
+    t_audio = parts.audio_decoder.latent_length(req.duration_s)
+    seed = req.seed + coords.dp
+    gen = torch.Generator().manual_seed(seed)
+    xv = torch.randn((*shape, parts.video_decoder.latent_channels), generator=gen)
+    xa = torch.randn((t_audio, parts.audio_decoder.latent_channels), generator=gen)
+    xv, xa = xv.to(ctx.device), xa.to(ctx.device)
+    texts = [parts.text_encoder.encode(p).to(ctx.device) for p in (req.prompt, req.negative_prompt)]
+    sigmas = flow_sigmas(req.num_inference_steps, req.shift)
+    samp_v, samp_a = make_sampler(req.sampler, sigmas), make_sampler(req.sampler, sigmas)
+    cfg_size = topo.cfg
+    mine = [0, 1] if cfg_size == 1 else [coords.cfg]
+    cfg_group = ctx.group("cfg")
+    step_times: list[float] = []
+    bar = tqdm(
+        total=req.num_inference_steps,
+        desc="denoising",
+        unit="step",
+        disable=not (job.progress and ctx.rank == 0),
+    )
+    for i in range(req.num_inference_steps):
+        t0 = time.perf_counter()
+        s = sigmas[i]
+        preds = parts.denoiser([Branch(xv, xa, texts[b], s, s) for b in mine])
+        if cfg_size == 2:
+            flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
+            got = [torch.empty_like(flat) for _ in range(2)]
+            dist.all_gather(got, flat, group=cfg_group)
+            nv = xv.numel()
+            preds = [(g[:nv].view_as(xv), g[nv:].view_as(xa)) for g in got]
+        (vc, ac), (vu, au) = preds
+        xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
+        xa = samp_a.step(i, xa, cfg_combine(ac, au, req.audio_guidance_scale))
+        step_times.append(time.perf_counter() - t0)
+        bar.update(1)
+    bar.close()
+    mine_info = {
+        "rank": ctx.rank,
+        "dp": coords.dp,
+        "step_times_s": step_times,
+        "counters": ctx.counters.summary(),
+    }
+    infos = [mine_info]
+    if ctx.world_size > 1:
+        infos = [None] * ctx.world_size
+        dist.all_gather_object(infos, mine_info)
+    result = {
+        "rank": ctx.rank,
+        "dp_index": coords.dp,
+        "seed": seed,
+        "video_sha256": None,
+        "audio_sha256": None,
+        "output": None,
+        "sidecar": None,
+        "step_times_s": step_times,
+    }
+    if (coords.tp, coords.sp, coords.cfg) != (0, 0, 0):
+        return result
+    frames = parts.video_decoder.decode(xv.float().cpu(), req.num_frames)
+    wave = parts.audio_decoder.decode(
+        xa.float().cpu(), round(req.duration_s * parts.audio_decoder.sample_rate)
+    )
+    audio = quantize_audio(wave)
+    result["video_sha256"], result["audio_sha256"] = tensor_sha256(frames), tensor_sha256(audio)
+    if job.output is None:
+        return result
+    out = output_path(job.output, coords.dp, topo.dp)
+    group = [x for x in infos if x["dp"] == coords.dp]
+    per_rank = {str(x["rank"]): x["step_times_s"] for x in group}
+    side = {
+        "request": req.to_dict(),
+        "seed": seed,
+        "model": {"name": getattr(job.model_config, "name", None), "checkpoint": job.checkpoint},
+        "layout": {
+            **job.parallel.to_dict(),
+            "world_size": ctx.world_size,
+            "resolved_expert_parallel_size": topo.expert_parallel_size,
+            "ep_replicas": topo.ep_replicas,
+            "dp_index": coords.dp,
+            "ranks": [x["rank"] for x in group],
+        },
+        "latents": {
+            "video": [*shape, parts.video_decoder.latent_channels],
+            "audio": [t_audio, parts.audio_decoder.latent_channels],
+        },
+        "media": {
+            "frames": list(frames.shape),
+            "fps": req.fps,
+            "audio_samples": list(audio.shape),
+            "sample_rate": parts.audio_decoder.sample_rate,
+        },
+        "step_times_s": {"per_rank": per_rank, "max": [max(ts) for ts in zip(*per_rank.values())]},
+        "total_s": time.perf_counter() - t_start,
+        "video_sha256": result["video_sha256"],
+        "audio_sha256": result["audio_sha256"],
+        "counters": {str(x["rank"]): x["counters"] for x in group},
+        "torch": torch.__version__,
+        **job.extra,
+    }
+    write_mp4(out, frames, req.fps, audio, parts.audio_decoder.sample_rate)
+    try:
+        write_sidecar(sidecar_path(out), side)
+    except BaseException:
+        out.unlink()
+        raise
+    result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
+    return result
+
+
+# ---------------------------------------------------------------------- rank entry points
+def launched_rank(job: GenerateJob) -> dict[str, Any]:
+    """Entry point of a rank started by `launch_local` or torchrun: joins the world from
+    the environment (Gloo on CPU, NCCL on GPU with device LOCAL_RANK; on CPU
+    ``cpu_count // LOCAL_WORLD_SIZE`` torch threads), with ``job.timeout_s`` bounding every
+    collective, runs `run_job` and tears the groups down."""
+    env = torchrun_env()
+    if env is None:
+        raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
+    try:
+        return run_job(ctx, job)
+    finally:
+        ctx.destroy()
+
+
+def run_jobs(rank: int, world_size: int, jobs: Sequence[GenerateJob]) -> list[dict[str, Any]]:
+    """`run_ranks` entry: run ``jobs`` one after another on an initialised default group
+    (each job's layout must span ``world_size`` ranks); returns `run_job`'s results."""
+    results = []
+    for job in jobs:
+        ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
+        try:
+            results.append(run_job(ctx, job))
+        finally:
+            ctx.destroy()
+    return results

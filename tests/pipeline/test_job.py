@@ -1,0 +1,128 @@
+"""Pipeline logic with a test-only denoiser: noise order, CFG paths, DP seeds, output."""
+
+import json
+
+import pytest
+import torch
+
+from headmoe.config import ParallelConfig
+from headmoe.distributed import ParallelContext
+from headmoe.pipeline.encoders import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
+from headmoe.pipeline.job import GenerateJob, output_path, run_job, run_jobs
+from headmoe.pipeline.media import quantize_audio, read_mp4, tensor_sha256
+from headmoe.pipeline.request import GenerateRequest
+from headmoe.pipeline.sampler import cfg_combine, flow_sigmas, make_sampler
+from headmoe.testing import run_ranks
+from tests.pipeline.fake import AUDIO_C, TEXT_C, VIDEO_C, fake_components, fake_velocity
+
+REQ = GenerateRequest(prompt="a cat", negative_prompt="blur", num_inference_steps=3)
+
+
+def _job(parallel=None, output=None, request=REQ):
+    return GenerateJob(
+        request,
+        parallel or ParallelConfig(),
+        None,
+        "",
+        output,
+        progress=False,
+        components=fake_components,
+    )
+
+
+def _reference(req, seed):
+    """The pipeline written out step by step from the spec (one process, no parallelism)."""
+    vdec, adec, enc = TinyVideoDecoder(VIDEO_C), TinyAudioDecoder(AUDIO_C), ByteTextEncoder(TEXT_C)
+    gen = torch.Generator().manual_seed(seed)
+    xv = torch.randn((4, 4, 6, VIDEO_C), generator=gen)
+    xa = torch.randn((26, AUDIO_C), generator=gen)
+    tc, tu = enc.encode(req.prompt), enc.encode(req.negative_prompt)
+    sig = flow_sigmas(req.num_inference_steps, req.shift)
+    sv, sa = make_sampler(req.sampler, sig), make_sampler(req.sampler, sig)
+    for i, s in enumerate(sig[:-1]):
+        v = cfg_combine(fake_velocity(xv, tc, s), fake_velocity(xv, tu, s), req.guidance_scale)
+        a = cfg_combine(
+            fake_velocity(xa, tc, s), fake_velocity(xa, tu, s), req.audio_guidance_scale
+        )
+        xv, xa = sv.step(i, xv, v), sa.step(i, xa, a)
+    frames = vdec.decode(xv, req.num_frames)
+    audio = quantize_audio(adec.decode(xa, 45864))
+    return tensor_sha256(frames), tensor_sha256(audio)
+
+
+def test_single_rank_matches_reference_and_writes_outputs(tmp_path):
+    out = tmp_path / "clip.mp4"
+    res = run_job(ParallelContext.single(), _job(output=str(out)))
+    assert (res["video_sha256"], res["audio_sha256"]) == _reference(REQ, 0)
+    video, wave, fps, rate = read_mp4(out)
+    assert video.shape == (13, 64, 96, 3) and fps == 12.5 and rate == 44100
+    side = json.loads((tmp_path / "clip.json").read_text())
+    assert side["video_sha256"] == res["video_sha256"] and side["request"]["prompt"] == "a cat"
+    assert len(side["step_times_s"]["per_rank"]["0"]) == 3
+    assert side["step_times_s"]["max"] == side["step_times_s"]["per_rank"]["0"]
+    assert side["layout"]["ulysses_degree"] == 1 and side["counters"]["0"]["moe_calls"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.json", "clip.mp4"]
+
+
+def test_euler_sampler_and_seed_change_the_output():
+    euler_req = GenerateRequest(
+        prompt="a cat", negative_prompt="blur", num_inference_steps=3, sampler="euler"
+    )
+    euler = run_job(ParallelContext.single(), _job(request=euler_req))
+    assert (euler["video_sha256"], euler["audio_sha256"]) == _reference(euler_req, 0)
+    assert euler["video_sha256"] != _reference(REQ, 0)[0] != _reference(REQ, 1)[0]
+
+
+def test_output_path_per_dp_group():
+    assert str(output_path("a/demo.mp4", 0, 1)) == "a/demo.mp4"
+    assert str(output_path("a/demo.mp4", 1, 2)) == "a/demo.dp1.mp4"
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"height": 0}, "height"),
+        ({"fps": 0.0}, "fps"),
+        ({"sampler": "ddim"}, "sampler"),
+        ({"dtype": "fp16"}, "dtype"),
+        ({"seed": -1}, "seed"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+    ],
+)
+def test_request_rejects(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        GenerateRequest(prompt="x", **kwargs)
+
+
+LAYOUTS = {
+    "dp4": ParallelConfig(data_parallel_size=4),
+    "sp2_dp2": ParallelConfig(ulysses_degree=2, data_parallel_size=2),
+    "sp4": ParallelConfig(ulysses_degree=4),
+    "sp2_cfg2": ParallelConfig(ulysses_degree=2, cfg_parallel_size=2),
+}
+
+
+def _fake_layouts(rank, world_size, out_dir):
+    jobs = [_job(p) for p in LAYOUTS.values()]
+    jobs.append(_job(LAYOUTS["sp2_dp2"], output=f"{out_dir}/dp.mp4"))
+    return run_jobs(rank, world_size, jobs)
+
+
+@pytest.mark.multirank
+def test_layouts_with_fake_denoiser(tmp_path):
+    per_rank = run_ranks(_fake_layouts, 4, args=(str(tmp_path),), timeout=300)
+    ref = [_reference(REQ, s) for s in range(4)]
+    for j, name in enumerate(LAYOUTS):
+        writers = {
+            r["dp_index"]: (r["video_sha256"], r["audio_sha256"])
+            for r in (per_rank[k][j] for k in range(4))
+            if r["video_sha256"]
+        }
+        dp = LAYOUTS[name].data_parallel_size
+        assert writers == {k: ref[k] for k in range(dp)}, name  # DP group k uses seed + k
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["dp.dp0.json", "dp.dp0.mp4", "dp.dp1.json", "dp.dp1.mp4"]
+    side = json.loads((tmp_path / "dp.dp1.json").read_text())
+    assert side["seed"] == 1 and side["layout"]["ranks"] == [2, 3]
+    assert sorted(side["step_times_s"]["per_rank"]) == ["2", "3"]
+    assert side["video_sha256"] == ref[1][0]
