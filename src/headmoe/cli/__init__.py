@@ -1,0 +1,1 @@
+"""The `headmoe` command line (console script `headmoe = headmoe.cli.main:main`)."""

@@ -1,0 +1,231 @@
+"""`headmoe generate`: a prompt in, an mp4 (H.264 + AAC) and a JSON sidecar out.
+
+Every flag is checked in the launching process before any rank starts (request fields, the
+parallel layout against the world size via `plan_topology`, the model config against the
+layout); errors name the flags. Then:
+
+- under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) this process is one rank of that world;
+- with ``--nproc 1`` the job runs in this process;
+- with ``--nproc N`` N local ranks start through torch's elastic launcher (spawn, no
+  restarts, Gloo on CPU / NCCL on GPU). If any rank fails, the others are stopped, the
+  failing rank's message is printed and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from headmoe.config import MOE_EXCHANGES, ParallelConfig
+from headmoe.distributed.launch import LaunchFailure, launch_local, torchrun_env
+from headmoe.distributed.topology import plan_topology
+from headmoe.pipeline.request import DTYPES, GenerateRequest
+from headmoe.pipeline.sampler import SAMPLERS
+
+_REQ_DEFAULTS = {f.name: f.default for f in fields(GenerateRequest)}
+
+#: config / request field -> flag, for error messages
+FLAGS: dict[str, str] = {
+    **{name: "--" + name.replace("_", "-") for name in _REQ_DEFAULTS},
+    **{
+        name: "--" + name.replace("_", "-")
+        for name in (
+            "ulysses_degree",
+            "cfg_parallel_size",
+            "data_parallel_size",
+            "enable_expert_parallel",
+            "expert_parallel_size",
+            "moe_exchange",
+            "model",
+            "model_config",
+        )
+    },
+    "world_size": "--nproc",
+}
+
+
+def flagify(message: str) -> str:
+    """Rewrite field names in a validation message as the flags that set them: a leading
+    ``name `` and every ``name=``."""
+    for name, flag in FLAGS.items():
+        message = re.sub(rf"(?:^|(?<=[\s(,'\"])){name}(?=[= ])", flag, message)
+    return message
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``generate`` subcommand."""
+    d = _REQ_DEFAULTS
+    p = subparsers.add_parser(
+        "generate",
+        help="text -> video + audio mp4",
+        description="Generate a video with sound from a prompt, on one or many ranks.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model", default="tiny", help="'tiny' (embedded random weights) or a checkpoint path"
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="preset of a checkpoint path without a config.json next to it",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default="~/.cache/headmoe",
+        help="where the tiny model's checkpoint is written once",
+    )
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default=d["negative_prompt"])
+    p.add_argument("--height", type=int, default=d["height"])
+    p.add_argument("--width", type=int, default=d["width"])
+    p.add_argument("--num-frames", type=int, default=d["num_frames"])
+    p.add_argument("--fps", type=float, default=d["fps"])
+    p.add_argument("--num-inference-steps", type=int, default=d["num_inference_steps"])
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=d["seed"],
+        help="noise seed; data-parallel group k uses seed + k",
+    )
+    p.add_argument(
+        "--guidance-scale", type=float, default=d["guidance_scale"], help="video CFG scale"
+    )
+    p.add_argument("--audio-guidance-scale", type=float, default=d["audio_guidance_scale"])
+    p.add_argument("--shift", type=float, default=d["shift"], help="flow-matching time shift")
+    p.add_argument("--sampler", choices=SAMPLERS, default=d["sampler"])
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d["dtype"])
+    p.add_argument("--ulysses-degree", type=int, default=1)
+    p.add_argument("--cfg-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="independent requests; group k writes <stem>.dp<k>.mp4",
+    )
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=None,
+        help="EP degree (divides --ulysses-degree); default: the SP group",
+    )
+    p.add_argument("--moe-exchange", choices=MOE_EXCHANGES, default="auto")
+    p.add_argument("--output", default="output.mp4", help="mp4 path; sidecar: .json next to it")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to start (default: the layout's world size); not used under torchrun",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds any collective may wait before the job fails",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def build_job(args: argparse.Namespace) -> tuple[Any, int]:
+    """Validate every flag and build the `GenerateJob` and the world size (pure checks plus
+    writing the tiny checkpoint once). Raises `ValueError` with flag names."""
+    from headmoe.models.magi2 import validate_parallel
+    from headmoe.pipeline.job import GenerateJob, resolve_model
+
+    try:
+        request = GenerateRequest(
+            **{k: getattr(args, k) for k in _REQ_DEFAULTS if k != "prompt"}, prompt=args.prompt
+        )
+        parallel = ParallelConfig(
+            ulysses_degree=args.ulysses_degree,
+            cfg_parallel_size=args.cfg_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
+            expert_parallel_size=args.expert_parallel_size,
+            moe_exchange=args.moe_exchange,
+        )
+        env = torchrun_env()
+        if env is not None and args.nproc is not None and args.nproc != env.world_size:
+            raise ValueError(
+                f"--nproc {args.nproc} does not match the torchrun world of {env.world_size} "
+                "ranks (leave --nproc out under torchrun)"
+            )
+        world = env.world_size if env is not None else (args.nproc or parallel.world_size)
+        if world != parallel.world_size:
+            raise ValueError(
+                f"{'the torchrun world' if env else '--nproc'} has {world} ranks but the "
+                f"layout needs --ulysses-degree {parallel.ulysses_degree} x --cfg-parallel-size "
+                f"{parallel.cfg_parallel_size} x --data-parallel-size "
+                f"{parallel.data_parallel_size} = {parallel.world_size}"
+            )
+        plan_topology(world, parallel, "head")
+        if args.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {args.timeout!r}")
+        output = Path(args.output)
+        if output.suffix.lower() != ".mp4":
+            raise ValueError(f"output must end in .mp4, got {args.output!r}")
+        model_config, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
+        validate_parallel(model_config, parallel)
+        # the codecs' own size checks, before any rank starts
+        from headmoe.pipeline.encoders import TinyVideoDecoder
+
+        TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
+    except ValueError as exc:
+        raise ValueError(flagify(str(exc))) from None
+    job = GenerateJob(
+        request,
+        parallel,
+        model_config,
+        checkpoint,
+        str(output),
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+        extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
+    )
+    return job, world
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``headmoe generate``; returns the exit code."""
+    from headmoe.distributed.context import ParallelContext
+    from headmoe.pipeline.job import launched_rank, run_job
+
+    t0 = time.perf_counter()
+    try:
+        job, world = build_job(args)
+    except ValueError as exc:
+        print(f"headmoe generate: error: {exc}", file=sys.stderr)
+        return 2
+    env = torchrun_env()
+    try:
+        if env is not None:
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            results = [record(launched_rank)(job)]
+        elif world == 1:
+            results = [run_job(ParallelContext.single(job.parallel), job)]
+        else:
+            for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+            results = launch_local(launched_rank, world, (job,))
+    except LaunchFailure as exc:
+        for rank, message in sorted(exc.failures.items()):
+            print(f"headmoe generate: rank {rank} failed:\n{message}", file=sys.stderr)
+        return 1
+    for res in results:
+        if res["output"]:
+            print(
+                f"wrote {res['output']} and {res['sidecar']} (seed {res['seed']}, "
+                f"video_sha256 {res['video_sha256'][:16]}, audio_sha256 "
+                f"{res['audio_sha256'][:16]})"
+            )
+    if env is None:
+        print(f"done in {time.perf_counter() - t0:.1f} s on {world} rank(s)")
+    return 0

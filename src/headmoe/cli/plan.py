@@ -1,0 +1,159 @@
+"""`headmoe plan`: predict every layout of a world for one request and recommend one.
+
+headmoe plan --model magi2-preview --world-size 8 [--height 256 --width 448
+    --num-frames 125 --fps 12.5 --text-tokens 250] [--dtype bf16] [--memory-gib 80] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from headmoe.models.magi2.config import PRESETS, get_config
+from headmoe.planner.plan import GIB, LayoutPlan, plan_world
+from headmoe.planner.predict import DTYPES
+from headmoe.planner.request import RequestShape
+
+MIB = 1 << 20
+
+
+def add_request_arguments(p: argparse.ArgumentParser) -> None:
+    """Request-shape flags shared with `compare`'s prediction columns."""
+    p.add_argument("--height", type=int, default=256, help="pixels (default 256: 272p class)")
+    p.add_argument("--width", type=int, default=448, help="pixels (default 448)")
+    p.add_argument("--num-frames", type=int, default=125, help="output frames (default 125)")
+    p.add_argument("--fps", type=float, default=12.5, help="output frame rate (default 12.5)")
+    p.add_argument(
+        "--text-tokens",
+        type=int,
+        default=250,
+        help="text tokens of the conditional branch (default 250)",
+    )
+    p.add_argument(
+        "--uncond-text-tokens",
+        type=int,
+        default=None,
+        help="text tokens of the unconditional branch (default: --text-tokens)",
+    )
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `plan` on an argparse subparsers object; the handler is `args.func`."""
+    p = subparsers.add_parser(
+        "plan",
+        help="predict per-rank work and traffic of every layout; recommend one",
+        description="Enumerate every valid (SP, CFG, DP, EP, MoE exchange) layout of a world "
+        "and predict, per rank, the quantities the runtime counters measure.",
+    )
+    p.add_argument("--model", choices=sorted(PRESETS), default="magi2-preview")
+    p.add_argument("--world-size", type=int, required=True)
+    add_request_arguments(p)
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bf16",
+        help="transformer dtype: linears, experts, exchanged activations (default bf16)",
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=float,
+        default=80.0,
+        help="weight budget per rank for the recommendation; 0 = no limit (default 80)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+    return p
+
+
+def request_from_args(args: argparse.Namespace) -> RequestShape:
+    uncond = args.text_tokens if args.uncond_text_tokens is None else args.uncond_text_tokens
+    return RequestShape.from_media(
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        fps=args.fps,
+        text_tokens=args.text_tokens,
+        uncond_text_tokens=uncond,
+    )
+
+
+def format_table(plans: list[LayoutPlan], reason: str) -> str:
+    """The plan as a Markdown table plus the recommendation line. "auto" marks the exchange
+    mode the MoE layer's "auto" rule picks."""
+    head = ("SP x CFG x DP", "EP", "MoE exchange", "attn heads/rank", "MoE heads/rank (+pad)",
+            "busiest MoE rows/layer", "MoE MiB sent/rank/layer", "Ulysses MiB sent/rank/layer",
+            "a2a peers Uly/MoE", "expert GiB/rank", "weights GiB/rank", "")
+    rows = [head, tuple("---" for _ in head)]
+    autos = {(p.parallel.ulysses_degree, p.parallel.cfg_parallel_size,
+              p.parallel.data_parallel_size, p.expert_parallel_size, p.auto_exchange)
+             for p in plans}
+    for p in plans:
+        par = p.parallel
+        key = (par.ulysses_degree, par.cfg_parallel_size, par.data_parallel_size,
+               p.expert_parallel_size, p.moe_exchange)
+        rows.append((
+            f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
+            str(p.expert_parallel_size),
+            p.moe_exchange + (" (auto)" if key in autos else ""),
+            str(p.attention_heads_per_rank),
+            f"{p.moe_heads_per_rank} (+{p.padded_moe_heads})",
+            f"{p.busiest_moe_rows:,}",
+            f"{p.moe_bytes_sent_per_rank / MIB:,.2f}",
+            f"{p.ulysses_bytes_sent_per_rank / MIB:,.2f}",
+            f"{p.ulysses_peers}/{p.moe_peers}",
+            f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
+            f"{p.weight_bytes_per_rank / GIB:,.2f}",
+            "**recommended**" if p.recommended else "",
+        ))
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    best = next(p for p in plans if p.recommended)
+    return "\n".join(lines) + f"\n\nRecommended: {best.name} — {reason}."
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
+    try:
+        model = get_config(args.model)
+        request = request_from_args(args)
+        memory = None if args.memory_gib <= 0 else int(args.memory_gib * GIB)
+        plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory)
+    except ValueError as e:
+        print(f"headmoe plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "model": model.name,
+                    "world_size": args.world_size,
+                    "dtype": args.dtype,
+                    "request": request.to_dict(),
+                    "recommendation": reason,
+                    "layouts": [p.to_dict() for p in plans],
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(
+            f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
+            f"{request.video_tokens} video + {request.audio_tokens} audio + "
+            f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
+        )
+        print(format_table(plans, reason))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for tests and `python -m headmoe.cli.plan`."""
+    parser = argparse.ArgumentParser(prog="headmoe")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
