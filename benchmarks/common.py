@@ -1,0 +1,58 @@
+"""Generic timing helpers for multi-rank benchmarks (run inside `run_ranks` workers).
+
+Noise on a shared machine is handled by interleaving: every repetition runs each method
+once, in turn, so a slow moment hits all methods alike; reports use the median over
+repetitions of the slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def ensure_importable() -> None:
+    """Let `python benchmarks/x.py` import `benchmarks.*` (spawned ranks re-run this)."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+
+
+def timed(fn: Callable[[], Any], group: Any = None) -> float:
+    """Seconds `fn()` takes on this rank, started and stopped in step with the other ranks
+    (a barrier before and after, the second inside the measurement)."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier(group=group)
+    return time.perf_counter() - t0
+
+
+def interleaved(methods: dict[str, Callable[[], Any]], reps: int, warmup: int = 1,
+                group: Any = None) -> dict[str, list[float]]:  # fmt: skip
+    """Run every method once per repetition, in turn; return this rank's times (s)."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for i in range(warmup + reps):
+        for name, fn in methods.items():
+            t = timed(fn, group)
+            if i >= warmup:
+                times[name].append(t)
+    return times
+
+
+def slowest_rank_median(per_rank: list[list[float]]) -> float:
+    """Median over repetitions of the slowest rank's time."""
+    return statistics.median(max(ts) for ts in zip(*per_rank))
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
