@@ -385,13 +385,16 @@ class Magi2Transformer(nn.Module):
             modality[s : s + n] = m
         modality = modality[lo:hi]
         groups = [torch.nonzero(modality == m).flatten() for m in range(len(MODALITIES))]
-        cos = torch.cat([c for c, _ in coords])[lo:hi]
-        sin = torch.cat([s for _, s in coords])[lo:hi]
-        return ForwardPlan(counts, lo, hi, segments, pieces, modality, groups, cos, sin)
+        dev = self.pre_adapter.video_embedder.weight.device
+        cos = torch.cat([c for c, _ in coords])[lo:hi].to(dev)
+        sin = torch.cat([s for _, s in coords])[lo:hi].to(dev)
+        return ForwardPlan(counts, lo, hi, segments, pieces, modality.to(dev),
+                           [g.to(dev) for g in groups], cos, sin)
 
     # ------------------------------------------------------------------ forward
     def _embed(self, branches: Sequence[BranchInput], plan: ForwardPlan) -> torch.Tensor:
-        out = torch.zeros(plan.local_tokens, self.config.hidden_size)
+        dev = self.pre_adapter.video_embedder.weight.device
+        out = torch.zeros(plan.local_tokens, self.config.hidden_size, device=dev)
         embedders = self.pre_adapter.embedders()
         tdim = self.config.time_embed_dim
         for b, m, s, n in plan.pieces:
@@ -400,9 +403,9 @@ class Magi2Transformer(nn.Module):
                 continue
             br = branches[b]
             src = (br.video.reshape(-1, br.video.shape[-1]), br.audio, br.text)[m]
-            emb = embedders[m](src[a - s : e - s])
+            emb = embedders[m](src[a - s : e - s].to(dev))
             t = (br.t_video, br.t_audio, 0.0)[m]
-            emb[:, :tdim] = time_embedding(float(t), tdim)
+            emb[:, :tdim] = time_embedding(float(t), tdim).to(dev)
             out[a - plan.lo : e - plan.lo] = emb
         return out
 
