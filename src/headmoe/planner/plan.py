@@ -1,0 +1,161 @@
+"""Summaries of every layout of a world for one request, and the recommended one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from headmoe.config import ParallelConfig
+from headmoe.distributed.counters import Counters
+from headmoe.models.magi2.config import Magi2Config
+from headmoe.models.magi2.model import sp_token_counts
+from headmoe.planner.layouts import enumerate_layouts, layout_name
+from headmoe.planner.predict import (
+    _topology,
+    forward_counters,
+    moe_placement,
+    sequence_branches,
+    weight_bytes,
+)
+from headmoe.planner.request import RequestShape
+
+GIB = 1 << 30
+
+
+def _sent(c: Counters, *kinds: str) -> int:
+    return sum(r.bytes_sent for r in c.exchanges if r.kind in kinds)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """Predicted per-rank quantities of one layout (the busiest rank's where they differ).
+
+    Per-layer byte counts are per MoE layer (MoE) or per layer (Ulysses, q/k/v in plus
+    output back); `bytes_sent_per_forward` adds every exchange of one forward."""
+
+    parallel: ParallelConfig
+    name: str
+    moe_exchange: str
+    """The exchange the MoE layer uses ("ep_group" / "sp_group")."""
+    auto_exchange: str
+    """The exchange "auto" would pick for the same SP, EP and request."""
+    expert_parallel_size: int
+    attention_heads_per_rank: int
+    moe_heads_per_rank: int
+    padded_moe_heads: int
+    """Zero heads added to each EP group (`ceil(H/E)*E - H`)."""
+    busiest_moe_rows: int
+    moe_rows_per_rank: tuple[int, ...]
+    moe_bytes_sent_per_rank: int
+    ulysses_bytes_sent_per_rank: int
+    bytes_sent_per_forward: int
+    moe_peers: int
+    ulysses_peers: int
+    expert_weight_bytes_per_rank: int
+    weight_bytes_per_rank: int
+    recommended: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.parallel
+        return {
+            "layout": self.name,
+            "ulysses_degree": p.ulysses_degree,
+            "cfg_parallel_size": p.cfg_parallel_size,
+            "data_parallel_size": p.data_parallel_size,
+            "expert_parallel_size": self.expert_parallel_size,
+            "moe_exchange": self.moe_exchange,
+            "auto_picks_this_exchange": self.moe_exchange == self.auto_exchange,
+            "attention_heads_per_rank": self.attention_heads_per_rank,
+            "moe_heads_per_rank": self.moe_heads_per_rank,
+            "padded_moe_heads": self.padded_moe_heads,
+            "busiest_moe_rows": self.busiest_moe_rows,
+            "moe_rows_per_rank": list(self.moe_rows_per_rank),
+            "moe_bytes_sent_per_rank": self.moe_bytes_sent_per_rank,
+            "ulysses_bytes_sent_per_rank": self.ulysses_bytes_sent_per_rank,
+            "bytes_sent_per_forward": self.bytes_sent_per_forward,
+            "moe_all_to_all_peers": self.moe_peers,
+            "ulysses_all_to_all_peers": self.ulysses_peers,
+            "expert_weight_bytes_per_rank": self.expert_weight_bytes_per_rank,
+            "weight_bytes_per_rank": self.weight_bytes_per_rank,
+            "recommended": self.recommended,
+        }
+
+
+def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelConfig,
+                dtype: torch.dtype = torch.bfloat16) -> LayoutPlan:
+    """Predict one layout for one request (see `LayoutPlan`); `dtype` is the transformer's
+    dtype (linears, experts and the activations they exchange)."""
+    topo = _topology(model, parallel)
+    moe_layers = len(model.moe_layer_ids)
+    e = topo.expert_parallel_size
+    rows, moe_sent, uly_sent, total_sent, peers = [], [], [], [], []
+    for rank in range(topo.world_size):
+        c = forward_counters(model, request, parallel, rank, dtype)
+        rows.append(max(c.moe_rows, default=0))
+        moe_sent.append(_sent(c, "moe_scatter", "moe_gather") // max(moe_layers, 1))
+        uly_sent.append(_sent(c, "ulysses_in", "ulysses_out") // model.num_layers)
+        total_sent.append(_sent(c, *{r.kind for r in c.exchanges}))
+        length = sum(request.branch_tokens(b) for b in sequence_branches(parallel, topo.coords(rank).cfg))
+        peers.append(moe_placement(model, topo, rank, sp_token_counts(length, topo.sp)))
+    placement = peers[0]
+    topo_auto = _topology(model, replace(parallel, moe_exchange="auto"))
+    length0 = sum(request.branch_tokens(b) for b in sequence_branches(parallel, 0))
+    weights = [weight_bytes(model, e, ep, dtype) for ep in range(e)]
+    return LayoutPlan(
+        parallel=parallel,
+        name=layout_name(parallel),
+        moe_exchange=placement.exchange,
+        auto_exchange=moe_placement(model, topo_auto, 0, sp_token_counts(length0, topo.sp)).exchange,
+        expert_parallel_size=e,
+        attention_heads_per_rank=model.num_attention_heads // topo.sp,
+        moe_heads_per_rank=placement.owned_heads,
+        padded_moe_heads=placement.padded_heads - model.moe_num_heads,
+        busiest_moe_rows=max(rows),
+        moe_rows_per_rank=tuple(rows),
+        moe_bytes_sent_per_rank=max(moe_sent),
+        ulysses_bytes_sent_per_rank=max(uly_sent),
+        bytes_sent_per_forward=max(total_sent),
+        moe_peers=max(p.layout.world_size - 1 for p in peers),
+        ulysses_peers=topo.sp - 1,
+        expert_weight_bytes_per_rank=max(w[0] for w in weights),
+        weight_bytes_per_rank=max(w[1] for w in weights),
+    )
+
+
+def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, str]:
+    """Index of the recommended plan and a one-line reason: among layouts whose weights fit
+    `memory_bytes` per rank (all when None), the fewest busiest-rank MoE rows (the MoE
+    compute of the slowest rank), then the fewest bytes sent per rank per forward, then the
+    fewest expert bytes per rank. Raises `ValueError` when no layout fits."""
+    fits = [i for i, p in enumerate(plans)
+            if memory_bytes is None or p.weight_bytes_per_rank <= memory_bytes]
+    if not fits:
+        least = min(p.weight_bytes_per_rank for p in plans) / GIB
+        raise ValueError(
+            f"memory budget {memory_bytes / GIB:.1f} GiB per rank fits no layout (the smallest "
+            f"needs {least:.1f} GiB of weights)"
+        )
+    best = min(fits, key=lambda i: (plans[i].busiest_moe_rows, plans[i].bytes_sent_per_forward,
+                                    plans[i].expert_weight_bytes_per_rank))
+    b = plans[best]
+    tied = [plans[i].name for i in fits
+            if plans[i].busiest_moe_rows == b.busiest_moe_rows and i != best]
+    budget = "" if memory_bytes is None else f" among layouts whose weights fit {memory_bytes / GIB:g} GiB/rank"
+    reason = f"fewest busiest-rank MoE rows ({b.busiest_moe_rows:,} per layer){budget}"
+    if tied:
+        reason += (f", then fewest bytes sent per rank per forward ({b.bytes_sent_per_forward / 2**20:,.1f} MiB"
+                   f" vs {', '.join(tied)})")
+    return best, reason
+
+
+def plan_world(model: Magi2Config, request: RequestShape, world_size: int,
+               dtype: torch.dtype = torch.bfloat16,
+               memory_bytes: int | None = None) -> tuple[list[LayoutPlan], str]:
+    """Every valid layout of `world_size` ranks (`enumerate_layouts`) planned for `request`,
+    the recommended one flagged, and the reason."""
+    plans = [plan_layout(model, request, p, dtype) for p in enumerate_layouts(model, world_size)]
+    best, reason = recommend(plans, memory_bytes)
+    plans[best] = replace(plans[best], recommended=True)
+    return plans, reason

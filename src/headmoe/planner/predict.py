@@ -1,0 +1,151 @@
+"""Per-rank predictions of one layout: exactly the events `Counters` records at run time.
+
+For a model config, a request shape, a `ParallelConfig` and a rank, `forward_counters`
+returns a `Counters` filled with what one transformer forward records on that rank: per
+layer the fused Ulysses q/k/v exchange in and the output exchange back ("ulysses_in",
+"ulysses_out"; SP > 1), per MoE layer the rows computed and the two MoE exchanges
+("moe_scatter", "moe_gather"; EP group of more than one rank), and at the end the gather of
+the output shards ("sp_output_gather"; SP > 1). It uses the runtime's own partition
+functions (`sp_token_counts`, `HeadLayout`, `replica_token_counts`, the MoE layer's
+exchange rule), so a prediction and a measurement can be compared with `==`.
+
+Bytes of an all-to-all follow the counter definition: the blocks a rank sends to and
+receives from *other* ranks; a group of one rank, or one holding no tokens, issues no
+collective and records nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from headmoe.config import ParallelConfig
+from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.counters import Counters
+from headmoe.distributed.exchange import HeadLayout
+from headmoe.distributed.topology import AXES, Topology, plan_topology
+from headmoe.models.magi2.config import Magi2Config, validate_parallel
+from headmoe.models.magi2.model import Magi2Transformer, sp_token_counts
+from headmoe.moe import moe_row_slice, plan_dispatch
+from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
+from headmoe.planner.request import RequestShape
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _all_to_all(layout: HeadLayout, heads: int, width: int, nbytes: int,
+                to_heads: bool) -> tuple[int, int] | None:
+    """(bytes sent, bytes received) of one head exchange of `[tokens, heads, width]` elements
+    of `nbytes` each over `layout` (None: no collective is issued). `to_heads`: token shards
+    to head shards (scatter); otherwise back (gather)."""
+    if layout.world_size == 1 or layout.total_tokens == 0:
+        return None
+    per_token = heads // layout.shards * width * nbytes
+    out = [n * per_token for n in layout.send_counts]
+    back = [n * per_token for n in layout.owned_counts]
+    sent, got = (out, back) if to_heads else (back, out)
+    me = layout.rank
+    return sum(sent) - sent[me], sum(got) - got[me]
+
+
+def sequence_branches(parallel: ParallelConfig, cfg_rank: int) -> tuple[int, ...]:
+    """The branches (0 = conditional, 1 = unconditional) an SP group packs: both with
+    `cfg_parallel_size=1`, branch `cfg_rank` with 2."""
+    return (0, 1) if parallel.cfg_parallel_size == 1 else (cfg_rank,)
+
+
+@dataclass(frozen=True)
+class MoEPlacement:
+    """One rank's part in a MoE layer: the dispatch `layout` (over the EP run or, with
+    replicas, the SP group), the resolved exchange ("ep_group" / "sp_group"), the padded head
+    count of the EP group, and the heads this rank owns (`owned_heads`, of which
+    `real_heads` are real; padded heads are not computed)."""
+
+    layout: HeadLayout
+    exchange: str
+    padded_heads: int
+    owned_heads: int
+    real_heads: int
+
+    @property
+    def rows(self) -> int:
+        """(token, real head) rows computed per MoE layer call."""
+        return self.layout.owned_tokens * self.real_heads
+
+
+def moe_placement(model: Magi2Config, topo: Topology, rank: int,
+                  counts: tuple[int, ...]) -> MoEPlacement:
+    """Where a MoE layer's rows go on `rank`, given the SP token counts `counts` (the MoE
+    layer's own `plan_dispatch` and `moe_row_slice`)."""
+    c = topo.coords(rank)
+    e, n = topo.expert_parallel_size, model.moe_num_experts
+    axis, layout = plan_dispatch(topo.config.moe_exchange, counts, c.sp, e,
+                                 EXPERTS_BATCH_INVARIANT)
+    start, stop, local = moe_row_slice(model.moe_num_heads, n, e, c.ep)
+    return MoEPlacement(layout, f"{axis}_group", local // n * e, local // n, (stop - start) // n)
+
+
+def forward_counters(model: Magi2Config, request: RequestShape, parallel: ParallelConfig,
+                     rank: int, dtype: torch.dtype = torch.float32) -> Counters:
+    """The `Counters` one `Magi2Transformer.forward` records on `rank` (moe_rows per MoE
+    layer call, exchanges in call order), for a transformer built with `dtype` (the dtype
+    of its linears, experts and exchanged activations; the final output gather is fp32)."""
+    topo = _topology(model, parallel)
+    c = topo.coords(rank)
+    length = sum(request.branch_tokens(b) for b in sequence_branches(parallel, c.cfg))
+    counts = sp_token_counts(length, topo.sp)
+    nbytes = _element_size(dtype)
+    out = Counters()
+    sp_layout = HeadLayout(counts, c.sp)
+    heads, d = model.num_attention_heads, model.head_dim
+    moe = moe_placement(model, topo, rank, counts)
+    for layer in range(model.num_layers):
+        for kind, width, to_heads in (("ulysses_in", 3 * d, True), ("ulysses_out", d, False)):
+            rec = _all_to_all(sp_layout, heads, width, nbytes, to_heads)
+            if rec:
+                out.record_exchange(kind, *rec)
+        if layer in model.dense_layers:
+            continue
+        out.record_moe_rows(moe.rows)
+        for kind, to_heads in (("moe_scatter", True), ("moe_gather", False)):
+            rec = _all_to_all(moe.layout, moe.padded_heads, model.moe_head_dim, nbytes, to_heads)
+            if rec:
+                out.record_exchange(kind, *rec)
+    if topo.sp > 1:
+        width = max(model.video_in_channels, model.audio_in_channels)
+        moved = (topo.sp - 1) * max(counts) * width * _element_size(torch.float32)
+        out.record_exchange("sp_output_gather", moved, moved)
+    return out
+
+
+def _topology(model: Magi2Config, parallel: ParallelConfig) -> Topology:
+    validate_parallel(model, parallel)
+    return plan_topology(parallel.world_size, parallel, "head")
+
+
+@cache
+def weight_bytes(model: Magi2Config, ep_size: int, ep_rank: int,
+                 dtype: torch.dtype) -> tuple[int, int]:
+    """(MoE expert bytes, all weight bytes) held by EP rank `ep_rank` of an EP group of
+    `ep_size`: the parameters and buffers of the transformer as built for that rank (on the
+    meta device: no memory, no process group). Weights depend on the layout only through
+    the EP degree and rank. Expert bytes are those of the `moe_mlp` modules (router gate,
+    expert weights including zero-padded heads, bias buffers) summed over the MoE layers."""
+    parallel = ParallelConfig(ulysses_degree=ep_size)
+    ctx = ParallelContext(topology=_topology(model, parallel), rank=ep_rank,
+                          _groups={a: None for a in AXES})
+    with torch.device("meta"):
+        net = Magi2Transformer(model, ctx, dtype=dtype)
+    total = expert = 0
+    for name, t in [*net.named_parameters(), *net.named_buffers()]:
+        size = t.numel() * t.element_size()
+        total += size
+        if ".moe_mlp." in name:
+            expert += size
+    return expert, total

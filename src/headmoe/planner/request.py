@@ -1,0 +1,70 @@
+"""The token counts of one request, from its media shape.
+
+A request is one packed sequence per CFG branch, `[video | audio | text]`; the branches
+(conditional, unconditional) differ only in their text length. Frame and latent arithmetic
+is the pipeline's (`headmoe.pipeline.encoders`, MAGI2.md section 3): `num_frames` output
+frames at `fps` (MAGI-2 Preview: 125 frames at 12.5 fps = 10 s, i.e. 250 frames on the
+25 fps internal timeline) keep the first frame and compress the rest 4x in output frames
+(8x on the internal timeline) and 16x in space, so 272p (448 x 256) gives a
+`(124 // 4 + 1, 16, 28) = (32, 16, 28)` latent grid, 14,336 video tokens; audio uses 25
+latent tokens per second of clip (250 for 10 s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headmoe.config import check_positive_int
+from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """Per-branch token counts: `video_latent` (T, H, W) grid, `audio_tokens`, and the text
+    tokens of the conditional and unconditional branch (`text_tokens`, in branch order).
+    Validated on construction (`ValueError` naming the field)."""
+
+    video_latent: tuple[int, int, int]
+    audio_tokens: int
+    text_tokens: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        for name, values in (("video_latent", self.video_latent), ("text_tokens", self.text_tokens)):
+            if not isinstance(values, tuple) or len(values) != (3 if name == "video_latent" else 2):
+                raise ValueError(f"{name} must be a tuple of ints, got {values!r}")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"{name} must hold non-negative ints, got {values!r}")
+        a = self.audio_tokens
+        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+            raise ValueError(f"audio_tokens must be a non-negative int, got {a!r}")
+        if self.branch_tokens(0) == 0 or self.branch_tokens(1) == 0:
+            raise ValueError(f"every branch needs at least one token, got {self!r}")
+
+    @classmethod
+    def from_media(
+        cls, *, height: int, width: int, num_frames: int, fps: float, text_tokens: int,
+        uncond_text_tokens: int,
+    ) -> RequestShape:
+        """Token counts of a `num_frames`-frame `height` x `width` clip at `fps` (see the
+        module docstring). Raises `ValueError` naming the argument and value."""
+        if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
+            raise ValueError(f"fps must be a positive number, got {fps!r}")
+        for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+            check_positive_int(name, value)
+        latent = TinyVideoDecoder(1).latent_shape(num_frames, height, width)
+        audio = TinyAudioDecoder(1).latent_length(num_frames / fps)
+        return cls(latent, audio, (text_tokens, uncond_text_tokens))
+
+    @property
+    def video_tokens(self) -> int:
+        t, h, w = self.video_latent
+        return t * h * w
+
+    def branch_tokens(self, branch: int) -> int:
+        """Tokens of branch 0 (conditional) or 1 (unconditional)."""
+        return self.video_tokens + self.audio_tokens + self.text_tokens[branch]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"video_latent": list(self.video_latent), "video_tokens": self.video_tokens,
+                "audio_tokens": self.audio_tokens, "text_tokens": list(self.text_tokens)}
