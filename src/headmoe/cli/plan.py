@@ -41,7 +41,7 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `plan` on an argparse subparsers object; the handler is `args.func`."""
+    """Register `plan` on an argparse subparsers object; the handler is `args.run`."""
     p = subparsers.add_parser(
         "plan",
         help="predict per-rank work and traffic of every layout; recommend one",
@@ -64,8 +64,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="weight budget per rank for the recommendation; 0 = no limit (default 80)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
+
+
+register = add_parser
+"""The name `headmoe.cli.main` looks for."""
 
 
 def request_from_args(args: argparse.Namespace) -> RequestShape:
@@ -152,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headmoe")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    return args.run(args)
 
 
 if __name__ == "__main__":
