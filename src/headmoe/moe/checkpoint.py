@@ -1,0 +1,88 @@
+"""Which rows of the full (head, expert)-ordered MoE tensors an EP rank holds.
+
+Rank `e` of an EP group of size `ep` owns padded heads `[e*h, (e+1)*h)`, `h = ceil(H/ep)`;
+heads `>= H` are zero padding. Its local tensors have `h*E` rows: the full tensor's rows of
+its real heads first, then zero rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from headmoe.config import check_positive_int
+
+#: MoE tensors with (head, expert) rows, by their name relative to the MoE module
+MOE_ROW_TENSORS: tuple[str, ...] = (
+    "gate",
+    "W_gate",
+    "W_up",
+    "W_down",
+    "router.expert_bias",
+    "router.expert_bias_ema",
+)
+
+
+def moe_row_slice(
+    num_heads: int, num_experts: int, ep_size: int, ep_rank: int
+) -> tuple[int, int, int]:
+    """`(start, stop, local_rows)`: rows `[start, stop)` of a full `[num_heads*num_experts,
+    ...]` tensor fill the first `stop - start` of this EP rank's `local_rows` rows; the
+    remaining rows are zeros (padded heads).
+
+    Example, 3 heads x 2 experts: EP2 rank 1 -> (4, 6, 4); EP4 rank 3 -> (6, 6, 2)."""
+    for name, value in (("num_heads", num_heads), ("num_experts", num_experts),
+                        ("ep_size", ep_size)):
+        check_positive_int(name, value)
+    if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank must be an int in [0, {ep_size}), got {ep_rank!r}")
+    per_rank = -(-num_heads // ep_size)
+    first = min(ep_rank * per_rank, num_heads)
+    last = min((ep_rank + 1) * per_rank, num_heads)
+    return first * num_experts, last * num_experts, per_rank * num_experts
+
+
+def fit_rows(
+    name: str, tensor: torch.Tensor, start: int, stop: int, local_rows: int, full_rows: int
+) -> torch.Tensor:
+    """This rank's `[local_rows, ...]` tensor from a full `[full_rows, ...]` one (rows
+    `[start, stop)` then zero rows) or an already local-shaped one (returned as is).
+
+    Raises `ValueError` naming `name` and the shape when the row count is neither."""
+    rows = tensor.shape[0] if tensor.dim() else -1
+    if rows == local_rows:
+        return tensor
+    if rows != full_rows:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)}: expected {full_rows} (full) or "
+            f"{local_rows} (local) rows"
+        )
+    return pad_rows(tensor[start:stop], local_rows)
+
+
+def pad_rows(rows: torch.Tensor, local_rows: int) -> torch.Tensor:
+    """`rows` `[m, ...]` followed by zero rows up to `[local_rows, ...]` (same dtype)."""
+    if rows.shape[0] == local_rows:
+        return rows
+    out = rows.new_zeros((local_rows, *rows.shape[1:]))
+    out[: rows.shape[0]] = rows
+    return out
+
+
+def read_moe_rows(
+    handle: Any, key: str, num_heads: int, num_experts: int, ep_size: int, ep_rank: int
+) -> torch.Tensor:
+    """Read only this EP rank's rows of the full tensor `key` from an open safetensors file
+    (`safetensors.safe_open(path, "pt")`), zero-padded to the local row count.
+
+    Returns `[local_rows, ...]` in the stored dtype; other ranks' rows are never read."""
+    start, stop, local_rows = moe_row_slice(num_heads, num_experts, ep_size, ep_rank)
+    part = handle.get_slice(key)
+    shape = tuple(part.get_shape())
+    if not shape or shape[0] != num_heads * num_experts:
+        raise ValueError(
+            f"{key} has shape {shape}: expected {num_heads * num_experts} rows "
+            f"({num_heads} heads x {num_experts} experts)"
+        )
+    return pad_rows(part[start:stop], local_rows)

@@ -1,0 +1,59 @@
+"""Batch-invariant building blocks of the MoE compute (CPU measurements in docs/moe.md).
+
+- `exact_sigmoid`: `torch.sigmoid` gives different bits in its vectorised body and its
+  scalar tail, so an element's bits would depend on its position in the batch.
+- `aligned`: MKL's fp32 GEMM gives a row different bits depending on the 64-byte alignment
+  of its address when rows are not a multiple of 64 bytes long (measured: K=10), and a row's
+  address moves with the batch. Feature dims are zero-padded to multiples of `ALIGN` fp32
+  elements, so every row of every GEMM operand and result starts 64-byte aligned. Zero
+  features add exact zeros and are sliced off.
+- Row counts below `MIN_ROWS` are padded (see `headmoe.layers.matmul`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: feature dims of GEMM operands are padded to multiples of this many fp32 elements (64 B)
+ALIGN = 16
+
+
+def exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`1 / (1 + exp(-x))` elementwise, any shape, same dtype; batch-invariant because
+    `exp`, `+` and the reciprocal agree bit for bit in torch's vector and scalar loops."""
+    return torch.exp(-x).add_(1).reciprocal_()
+
+
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of `ALIGN`."""
+    return -(-n // ALIGN) * ALIGN
+
+
+def pad_features(t: torch.Tensor, dims: int = 1) -> torch.Tensor:
+    """`t` with its last `dims` dims zero-padded to `aligned` sizes (itself if already)."""
+    pad: list[int] = []
+    for size in reversed(t.shape[t.dim() - dims :]):
+        pad += [0, aligned(size) - size]
+    return F.pad(t, pad) if any(pad) else t
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Per-group products in one call: rows `[ends[g-1], ends[g])` of a (fp32 `[P, K]`) times
+    b[g] (fp32 `[G, K, N]`) -> fp32 `[P, N]`; ends: `[G]` int32 cumulative row ends (empty
+    groups allowed). `torch._grouped_mm` runs one GEMM per group in C++; without it (torch
+    before 2.9) the same GEMMs run from a Python loop (`grouped_mm_loop`)."""
+    if hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(a, b, offs=ends)
+    return grouped_mm_loop(a, b, ends)
+
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` as a Python loop over the non-empty groups (same shapes and bits)."""
+    out = a.new_empty((a.shape[0], b.shape[2]))
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out

@@ -1,0 +1,214 @@
+"""`MultiHeadMoE`: the multi-head MoE layer with head-sharded expert parallelism.
+
+Forward on one rank: view `[T, H*d]` as `[T, H, d]`, route every (token, head) among the
+head's experts, run the experts, combine. With EP (an SP group of more than one rank) the
+heads are padded to `ceil(H/E)*E`, scattered to their owners with one all-to-all, computed
+there for every token of the dispatch group, and gathered back with a second all-to-all.
+See docs/moe.md for the maths, the dispatch modes and the "auto" rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.exchange import (
+    HeadLayout,
+    gather_heads,
+    replica_token_counts,
+    scatter_heads,
+)
+from headmoe.moe.checkpoint import MOE_ROW_TENSORS, fit_rows, moe_row_slice
+from headmoe.moe.config import MoEConfig
+from headmoe.moe.experts import experts_grouped
+from headmoe.moe.routing import route
+
+#: the expert paths shipped here are batch-invariant (tests/moe/test_experts.py)
+EXPERTS_BATCH_INVARIANT = True
+
+
+def resolve_exchange(mode: str, sp_size: int, ep_size: int, batch_invariant: bool) -> str:
+    """The dispatch group of a configured `moe_exchange` mode: "ep_group" or "sp_group".
+
+    Pure function of static things (every rank gets the same answer). Without replicas
+    (`ep_size == sp_size`) both groups are the same and the answer is "ep_group". "auto"
+    picks "sp_group" when replicas exist and the expert path is batch-invariant, "ep_group"
+    otherwise (measurements in docs/moe.md)."""
+    if mode not in ("auto", "ep_group", "sp_group"):
+        raise ValueError(f"moe_exchange must be 'auto', 'ep_group' or 'sp_group', got {mode!r}")
+    if ep_size == sp_size:
+        return "ep_group"
+    if mode == "auto":
+        return "sp_group" if batch_invariant else "ep_group"
+    return mode
+
+
+def plan_dispatch(
+    mode: str, sp_counts: tuple[int, ...], sp_rank: int, ep_size: int, batch_invariant: bool
+) -> tuple[str, HeadLayout]:
+    """`(group axis, layout)` of one MoE exchange: "ep" with the layout of this rank's EP run,
+    or "sp" with replica parts over the whole SP group.
+
+    sp_counts: the token counts of every SP rank in SP order; sp_rank: this rank's SP index;
+    ep_size: E, dividing `len(sp_counts)`. Replica parts are "balanced" when the expert path
+    is batch-invariant, else "run_totals", falling back to the EP group when the EP runs hold
+    different totals."""
+    sp = len(sp_counts)
+    replicas = sp // ep_size
+    runs = [sp_counts[r * ep_size : (r + 1) * ep_size] for r in range(replicas)]
+    if resolve_exchange(mode, sp, ep_size, batch_invariant) == "sp_group" and (
+        batch_invariant or len({sum(run) for run in runs}) == 1
+    ):
+        policy = "balanced" if batch_invariant else "run_totals"
+        parts = replica_token_counts(sp_counts, replicas, policy)
+        return "sp", HeadLayout(sp_counts, sp_rank, parts)
+    return "ep", HeadLayout(runs[sp_rank // ep_size], sp_rank % ep_size)
+
+
+class MoERouter(nn.Module):
+    """Holds the router biases: `expert_bias` (selection) and `expert_bias_ema`, `[rows]`
+    fp32, rows ordered (head, expert)."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(rows))
+        self.register_buffer("expert_bias_ema", torch.zeros(rows))
+
+
+class MultiHeadMoE(nn.Module):
+    """Multi-head MoE layer (MAGI-2 semantics), head-sharded over the EP degree of `context`.
+
+    Parameters (checkpoint names, rows ordered (head, expert), this EP rank's `h*E` rows with
+    `h = ceil(H/E_ep)`; rows of padded heads are zeros): `gate` `[h*E, d]` fp32; `W_gate`,
+    `W_up` `[h*E, d, d_expert]` and `W_down` `[h*E, d_expert, d]` in `config.dtype`;
+    `router.expert_bias`, `router.expert_bias_ema` `[h*E]` fp32. `load_state_dict` accepts
+    full (unsharded) or local-shaped tensors; with `config.bias_from_ema` the loaded
+    `expert_bias_ema` also becomes `expert_bias`. Inference only (no gradients).
+    """
+
+    def __init__(self, config: MoEConfig, context: ParallelContext | None = None):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
+        self.config = config
+        self.context = context
+        ep_size, ep_rank = 1, 0
+        if context is not None:
+            topo = context.topology
+            if topo.expert_parallel_style != "head":
+                raise ValueError(
+                    "context.topology.expert_parallel_style must be 'head' for "
+                    f"MultiHeadMoE, got {topo.expert_parallel_style!r}"
+                )
+            ep_size, ep_rank = topo.expert_parallel_size, context.coords.ep
+        self.ep_size = ep_size
+        self.row_start, self.row_stop, rows = moe_row_slice(
+            config.num_heads, config.num_experts, ep_size, ep_rank
+        )
+        e, d, f = config.num_experts, config.head_dim, config.expert_intermediate_size
+        self.local_heads = rows // e
+        self.real_heads = (self.row_stop - self.row_start) // e
+        self.gate = nn.Parameter(torch.zeros(rows, d), requires_grad=False)
+        self.W_gate = nn.Parameter(torch.zeros(rows, d, f, dtype=config.dtype), requires_grad=False)
+        self.W_up = nn.Parameter(torch.zeros(rows, d, f, dtype=config.dtype), requires_grad=False)
+        self.W_down = nn.Parameter(torch.zeros(rows, f, d, dtype=config.dtype), requires_grad=False)
+        self.router = MoERouter(rows)
+        self.expert_compute = experts_grouped
+        """`(z, experts, weights, W_gate, W_up, W_down) -> y`; `experts_reference` also fits."""
+
+    # ------------------------------------------------------------------ checkpoint
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        full = self.config.num_heads * self.config.num_experts
+        local = self.local_heads * self.config.num_experts
+        for name in MOE_ROW_TENSORS:
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = fit_rows(
+                    key, state_dict[key], self.row_start, self.row_stop, local, full
+                )
+        ema = prefix + "router.expert_bias_ema"
+        if self.config.bias_from_ema and ema in state_dict:
+            state_dict[prefix + "router.expert_bias"] = state_dict[ema]
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    # ------------------------------------------------------------------ compute
+    def compute_heads(self, z: torch.Tensor) -> torch.Tensor:
+        """Experts of this rank's real heads for the rows it owns.
+
+        z: `[N, real_heads, d]` in `config.dtype`; returns `[N, real_heads, d]`, same dtype."""
+        rows = self.real_heads * self.config.num_experts
+        experts, weights = route(
+            z, self.gate[:rows], self.router.expert_bias[:rows], self.config.top_k,
+            self.config.route_scale,
+        )
+        return self.expert_compute(
+            z, experts, weights, self.W_gate[:rows], self.W_up[:rows], self.W_down[:rows]
+        )
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, token_counts: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x: `[T_local, hidden_size]` in `config.dtype` -> `[T_local, hidden_size]`, same dtype.
+
+        token_counts: the token counts of every rank of this rank's SP group, in SP order
+        (host-side; then the only collectives are the two all-to-alls). None: gathered with
+        one all-gather over the SP group. Bad input raises `ValueError` before any collective.
+        """
+        cfg = self.config
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape [T, {cfg.hidden_size}], got {shape}")
+        if x.dtype != cfg.dtype:
+            raise ValueError(f"x.dtype must be config.dtype={cfg.dtype}, got {x.dtype}")
+        t, heads, d = x.shape[0], cfg.num_heads, cfg.head_dim
+        ctx = self.context
+        sp_group = None if ctx is None else ctx.group("sp")
+        counts = self._sp_counts(token_counts, t, sp_group)
+        if sp_group is None:
+            out = self.compute_heads(x.reshape(t, heads, d)) if t else x.reshape(t, heads, d)
+            if ctx is not None:
+                ctx.counters.record_moe_rows(t * heads)
+            return out.reshape(t, cfg.hidden_size)
+        axis, layout = plan_dispatch(
+            ctx.config.moe_exchange, counts, ctx.group_rank("sp"), self.ep_size,
+            EXPERTS_BATCH_INVARIANT,
+        )
+        z = x.new_zeros((t, self.local_heads * self.ep_size, d))
+        z[:, :heads] = x.reshape(t, heads, d)
+        group = ctx.group(axis)
+        owned = scatter_heads(z, group, layout, counters=ctx.counters)
+        y = owned.new_zeros(owned.shape)
+        if self.real_heads and layout.owned_tokens:
+            y[:, : self.real_heads] = self.compute_heads(owned[:, : self.real_heads])
+        ctx.counters.record_moe_rows(layout.owned_tokens * self.real_heads)
+        out = gather_heads(y, group, layout, counters=ctx.counters)
+        return out[:, :heads].reshape(t, cfg.hidden_size)
+
+    def _sp_counts(
+        self, token_counts: Any, t: int, sp_group: Any
+    ) -> tuple[int, ...]:
+        """Validated SP token counts (`(t,)` on one rank; all-gathered when None)."""
+        sp = 1 if sp_group is None else dist.get_world_size(sp_group)
+        if token_counts is None:
+            if sp_group is None:
+                return (t,)
+            gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(sp)]
+            dist.all_gather(gathered, torch.tensor([t], dtype=torch.int64), group=sp_group)
+            return tuple(int(c) for c in gathered)
+        if not isinstance(token_counts, tuple | list) or len(token_counts) != sp or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in token_counts
+        ):
+            raise ValueError(
+                f"token_counts must be a tuple of {sp} non-negative ints (one per SP rank), "
+                f"got {token_counts!r}"
+            )
+        me = 0 if sp_group is None else dist.get_rank(sp_group)
+        if token_counts[me] != t:
+            raise ValueError(
+                f"token_counts[{me}]={token_counts[me]!r} does not match this rank's "
+                f"x.shape[0]={t}"
+            )
+        return tuple(token_counts)
