@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from headmoe.models.magi2 import BranchInput, Magi2Config
+from headmoe.models.magi2 import BranchInput, Magi2Config, get_config
 
 
 def make_request(
@@ -23,3 +23,8 @@ def make_request(
         )
         for n in texts
     ]
+
+
+#: test-only smaller variant (dense 0, MoE 1 and 2) for checks that build many models
+SMALL = get_config("tiny", num_layers=3, dense_layers=(0,), text_in_channels=64,
+                   dense_intermediate_size=128)

@@ -9,8 +9,10 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext, plan_topology
 from headmoe.models.magi2 import Magi2Transformer, get_config, validate_parallel
 
-# MAGI-2 Preview's parameter count with this implementation (see docs/model.md)
+# MAGI-2 Preview's checkpoint tensors, all elements (see docs/model.md); the router biases
+# (36 layers x 2 x 3072) are buffers, the rest parameters
 PREVIEW_PARAMS = 113_582_952_496
+ROUTER_BIASES = 36 * 2 * 3072
 
 
 def test_presets_and_layer_ids():
@@ -94,9 +96,9 @@ def test_preview_builds_on_meta_with_exact_count_and_names():
         model = Magi2Transformer(cfg, dtype=torch.bfloat16)
     params = list(model.parameters())
     assert all(p.is_meta for p in params)
-    count = sum(p.numel() for p in params)
-    assert count == _preview_param_count() == PREVIEW_PARAMS
     sd = model.state_dict()
+    assert sum(v.numel() for v in sd.values()) == _preview_param_count() == PREVIEW_PARAMS
+    assert sum(p.numel() for p in params) == PREVIEW_PARAMS - ROUTER_BIASES
     for i in (1, 2):
         assert {k for k in sd if k.startswith(f"block.layers.{i}.")} == _expected_names(i, i == 2)
     assert sd["block.layers.2.mlp.moe_mlp.W_up"].shape == (3072, 256, 1280)

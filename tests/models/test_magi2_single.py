@@ -18,7 +18,7 @@ from headmoe.models.magi2 import (
     write_random_checkpoint,
 )
 from headmoe.models.magi2.model import branch_coords, time_embedding
-from tests.models.common import make_request
+from tests.models.common import SMALL, make_request
 
 TINY = get_config("tiny")
 
@@ -27,6 +27,13 @@ TINY = get_config("tiny")
 def tiny_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
     write_random_checkpoint(TINY, path, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "small.safetensors"
+    write_random_checkpoint(SMALL, path, seed=4)
     return path
 
 
@@ -73,8 +80,8 @@ def test_forward_shapes_and_cfg_packing_is_per_segment(tiny_ckpt, dtype):
 
 
 def test_bad_inputs_name_the_field():
-    model = Magi2Transformer(get_config("tiny", num_layers=1, dense_layers=(0,)))
-    good = make_request(TINY, 0, (1, 2, 2), 3, (2,))[0]
+    model = Magi2Transformer(SMALL)
+    good = make_request(SMALL, 0, (1, 2, 2), 3, (2,))[0]
     cases = [
         ([], "branches"),
         ([BranchInput(good.video[..., :5], good.audio, good.text, 0.5, 0.5)], r"branches\[0\].video"),
@@ -91,7 +98,7 @@ def test_bad_inputs_name_the_field():
     pc = ParallelConfig(cfg_parallel_size=2)
     ctx = ParallelContext(topology=plan_topology(2, pc), rank=0)
     with pytest.raises(ValueError, match="len\\(branches\\)=2"):
-        Magi2Transformer(get_config("tiny", num_layers=1, dense_layers=(0,)), ctx)([good, good])
+        Magi2Transformer(SMALL, ctx)([good, good])
     with pytest.raises(ValueError, match="dtype"):
         Magi2Transformer(TINY, dtype=torch.float16)
 
@@ -128,15 +135,15 @@ def test_checkpoint_round_trip_file_and_index(tmp_path, tiny_ckpt):
                            full["block.layers.3.mlp.moe_mlp.router.expert_bias_ema"])
 
 
-def test_checkpoint_errors_name_the_tensor(tmp_path, tiny_ckpt):
-    full = load_file(tiny_ckpt)
-    model = Magi2Transformer(TINY)
+def test_checkpoint_errors_name_the_tensor(tmp_path, small_ckpt):
+    full = load_file(small_ckpt)
+    model = Magi2Transformer(SMALL)
     cases = {
-        "missing": {k: v for k, v in full.items() if k != "block.layers.3.attention.sinks"},
+        "missing": {k: v for k, v in full.items() if k != "block.layers.2.attention.sinks"},
         "unexpected": {**full, "block.layers.9.extra": torch.zeros(2)},
         "mis-shaped": {**full, "block.layers.2.mlp.moe_mlp.W_down": torch.zeros(96, 64, 31)},
     }
-    names = {"missing": "block.layers.3.attention.sinks", "unexpected": "block.layers.9.extra",
+    names = {"missing": "block.layers.2.attention.sinks", "unexpected": "block.layers.9.extra",
              "mis-shaped": "block.layers.2.mlp.moe_mlp.W_down"}
     for kind, tensors in cases.items():
         path = tmp_path / f"{kind}.safetensors"
@@ -162,14 +169,14 @@ def _moe_rows_expected(full: torch.Tensor, ep: int, e: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("sp", [8, 4])
-def test_moe_rows_per_ep_rank_without_collectives(tiny_ckpt, sp):
+def test_moe_rows_per_ep_rank_without_collectives(small_ckpt, sp):
     """Loading never communicates, so every rank of SP8 (EP8: 12 heads pad to 16) and SP4 can
     be loaded here from a context without process groups."""
-    full = load_file(tiny_ckpt)
+    full = load_file(small_ckpt)
     topo = plan_topology(sp, ParallelConfig(ulysses_degree=sp))
     for rank in range(sp):
-        model = Magi2Transformer(TINY, ParallelContext(topology=topo, rank=rank))
-        load_checkpoint(model, tiny_ckpt)
+        model = Magi2Transformer(SMALL, ParallelContext(topology=topo, rank=rank))
+        load_checkpoint(model, small_ckpt)
         sd = model.state_dict()
         for name in ("gate", "W_gate", "W_up", "W_down", "router.expert_bias_ema"):
             key = f"block.layers.2.mlp.moe_mlp.{name}"
