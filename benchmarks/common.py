@@ -52,6 +52,15 @@ def slowest_rank_median(per_rank: list[list[float]]) -> float:
     return statistics.median(max(ts) for ts in zip(*per_rank))
 
 
+def paired_ratio(per_rank_a: list[list[float]], per_rank_b: list[list[float]]) -> float:
+    """Median over repetitions of a/b, each the slowest rank's time of that repetition. The
+    two methods ran back to back in every repetition, so the ratio cancels slow phases of
+    a noisy machine better than a ratio of medians."""
+    a = [max(ts) for ts in zip(*per_rank_a)]
+    b = [max(ts) for ts in zip(*per_rank_b)]
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
