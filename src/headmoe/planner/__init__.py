@@ -7,8 +7,10 @@ from headmoe.planner.plan import LayoutPlan, plan_layout, plan_world, recommend
 from headmoe.planner.predict import (
     MoEPlacement,
     forward_counters,
+    layout_topology,
     moe_placement,
     sequence_branches,
+    sequence_counts,
     weight_bytes,
 )
 from headmoe.planner.request import RequestShape
@@ -20,11 +22,13 @@ __all__ = [
     "enumerate_layouts",
     "forward_counters",
     "layout_name",
+    "layout_topology",
     "moe_placement",
     "parse_layout",
     "plan_layout",
     "plan_world",
     "recommend",
     "sequence_branches",
+    "sequence_counts",
     "weight_bytes",
 ]

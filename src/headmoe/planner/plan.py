@@ -10,13 +10,12 @@ import torch
 from headmoe.config import ParallelConfig
 from headmoe.distributed.counters import Counters
 from headmoe.models.magi2.config import Magi2Config
-from headmoe.models.magi2.model import sp_token_counts
 from headmoe.planner.layouts import enumerate_layouts, layout_name
 from headmoe.planner.predict import (
-    _topology,
     forward_counters,
+    layout_topology,
     moe_placement,
-    sequence_branches,
+    sequence_counts,
     weight_bytes,
 )
 from headmoe.planner.request import RequestShape
@@ -87,27 +86,27 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
                 dtype: torch.dtype = torch.bfloat16) -> LayoutPlan:
     """Predict one layout for one request (see `LayoutPlan`); `dtype` is the transformer's
     dtype (linears, experts and the activations they exchange)."""
-    topo = _topology(model, parallel)
+    topo = layout_topology(model, parallel)
     moe_layers = len(model.moe_layer_ids)
     e = topo.expert_parallel_size
-    rows, moe_sent, uly_sent, total_sent, peers = [], [], [], [], []
+    rows, moe_sent, uly_sent, total_sent, places = [], [], [], [], []
     for rank in range(topo.world_size):
         c = forward_counters(model, request, parallel, rank, dtype)
         rows.append(max(c.moe_rows, default=0))
         moe_sent.append(_sent(c, "moe_scatter", "moe_gather") // max(moe_layers, 1))
         uly_sent.append(_sent(c, "ulysses_in", "ulysses_out") // model.num_layers)
         total_sent.append(_sent(c, *{r.kind for r in c.exchanges}))
-        length = sum(request.branch_tokens(b) for b in sequence_branches(parallel, topo.coords(rank).cfg))
-        peers.append(moe_placement(model, topo, rank, sp_token_counts(length, topo.sp)))
-    placement = peers[0]
-    topo_auto = _topology(model, replace(parallel, moe_exchange="auto"))
-    length0 = sum(request.branch_tokens(b) for b in sequence_branches(parallel, 0))
+        counts = sequence_counts(request, parallel, topo.coords(rank).cfg)
+        places.append(moe_placement(model, topo, rank, counts))
+    placement = places[0]
+    auto = moe_placement(model, layout_topology(model, replace(parallel, moe_exchange="auto")),
+                         0, sequence_counts(request, parallel, 0))
     weights = [weight_bytes(model, e, ep, dtype) for ep in range(e)]
     return LayoutPlan(
         parallel=parallel,
         name=layout_name(parallel),
         moe_exchange=placement.exchange,
-        auto_exchange=moe_placement(model, topo_auto, 0, sp_token_counts(length0, topo.sp)).exchange,
+        auto_exchange=auto.exchange,
         expert_parallel_size=e,
         attention_heads_per_rank=model.num_attention_heads // topo.sp,
         moe_heads_per_rank=placement.owned_heads,
@@ -117,7 +116,7 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
         moe_bytes_sent_per_rank=max(moe_sent),
         ulysses_bytes_sent_per_rank=max(uly_sent),
         bytes_sent_per_forward=max(total_sent),
-        moe_peers=max(p.layout.world_size - 1 for p in peers),
+        moe_peers=max(p.layout.world_size - 1 for p in places),
         ulysses_peers=topo.sp - 1,
         expert_weight_bytes_per_rank=max(w[0] for w in weights),
         weight_bytes_per_rank=max(w[1] for w in weights),
@@ -142,11 +141,13 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
     b = plans[best]
     tied = [plans[i].name for i in fits
             if plans[i].busiest_moe_rows == b.busiest_moe_rows and i != best]
-    budget = "" if memory_bytes is None else f" among layouts whose weights fit {memory_bytes / GIB:g} GiB/rank"
-    reason = f"fewest busiest-rank MoE rows ({b.busiest_moe_rows:,} per layer){budget}"
+    reason = f"fewest busiest-rank MoE rows ({b.busiest_moe_rows:,} per layer)"
+    if memory_bytes is not None:
+        reason += f" among layouts whose weights fit {memory_bytes / GIB:g} GiB/rank"
     if tied:
-        reason += (f", then fewest bytes sent per rank per forward ({b.bytes_sent_per_forward / 2**20:,.1f} MiB"
-                   f" vs {', '.join(tied)})")
+        mib = b.bytes_sent_per_forward / 2**20
+        reason += (f", then fewest bytes sent per rank per forward ({mib:,.1f} MiB; same rows: "
+                   f"{', '.join(tied)})")
     return best, reason
 
 

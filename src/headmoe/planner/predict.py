@@ -27,7 +27,7 @@ from headmoe.distributed.counters import Counters
 from headmoe.distributed.exchange import HeadLayout
 from headmoe.distributed.topology import AXES, Topology, plan_topology
 from headmoe.models.magi2.config import Magi2Config, validate_parallel
-from headmoe.models.magi2.model import Magi2Transformer, sp_token_counts
+from headmoe.models.magi2.model import Magi2Transformer, MoEMLP, sp_token_counts
 from headmoe.moe import moe_row_slice, plan_dispatch
 from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
 from headmoe.planner.request import RequestShape
@@ -58,6 +58,14 @@ def sequence_branches(parallel: ParallelConfig, cfg_rank: int) -> tuple[int, ...
     """The branches (0 = conditional, 1 = unconditional) an SP group packs: both with
     `cfg_parallel_size=1`, branch `cfg_rank` with 2."""
     return (0, 1) if parallel.cfg_parallel_size == 1 else (cfg_rank,)
+
+
+def sequence_counts(request: RequestShape, parallel: ParallelConfig,
+                    cfg_rank: int) -> tuple[int, ...]:
+    """SP token counts of the sequence the SP group of CFG rank `cfg_rank` packs (the
+    transformer's `sp_token_counts` of its branches' total length)."""
+    length = sum(request.branch_tokens(b) for b in sequence_branches(parallel, cfg_rank))
+    return sp_token_counts(length, parallel.ulysses_degree)
 
 
 @dataclass(frozen=True)
@@ -96,10 +104,9 @@ def forward_counters(model: Magi2Config, request: RequestShape, parallel: Parall
     """The `Counters` one `Magi2Transformer.forward` records on `rank` (moe_rows per MoE
     layer call, exchanges in call order), for a transformer built with `dtype` (the dtype
     of its linears, experts and exchanged activations; the final output gather is fp32)."""
-    topo = _topology(model, parallel)
+    topo = layout_topology(model, parallel)
     c = topo.coords(rank)
-    length = sum(request.branch_tokens(b) for b in sequence_branches(parallel, c.cfg))
-    counts = sp_token_counts(length, topo.sp)
+    counts = sequence_counts(request, parallel, c.cfg)
     nbytes = _element_size(dtype)
     out = Counters()
     sp_layout = HeadLayout(counts, c.sp)
@@ -124,28 +131,41 @@ def forward_counters(model: Magi2Config, request: RequestShape, parallel: Parall
     return out
 
 
-def _topology(model: Magi2Config, parallel: ParallelConfig) -> Topology:
+def layout_topology(model: Magi2Config, parallel: ParallelConfig) -> Topology:
+    """`plan_topology` of a layout after the model's own checks (`ValueError` naming the
+    field)."""
     validate_parallel(model, parallel)
     return plan_topology(parallel.world_size, parallel, "head")
+
+
+def _context(model: Magi2Config, ep_size: int, ep_rank: int) -> ParallelContext:
+    """A group-less context of EP rank `ep_rank` in an SP group of `ep_size` (for shapes)."""
+    topo = layout_topology(model, ParallelConfig(ulysses_degree=ep_size))
+    return ParallelContext(topology=topo, rank=ep_rank, _groups={a: None for a in AXES})
+
+
+def _nbytes(module: torch.nn.Module, skip: str | None = None) -> int:
+    return sum(t.numel() * t.element_size()
+               for name, t in [*module.named_parameters(), *module.named_buffers()]
+               if skip is None or skip not in name)
+
+
+@cache
+def _non_expert_bytes(model: Magi2Config, dtype: torch.dtype) -> int:
+    with torch.device("meta"):
+        net = Magi2Transformer(model, _context(model, 1, 0), dtype=dtype)
+    return _nbytes(net, skip=".moe_mlp.")
 
 
 @cache
 def weight_bytes(model: Magi2Config, ep_size: int, ep_rank: int,
                  dtype: torch.dtype) -> tuple[int, int]:
     """(MoE expert bytes, all weight bytes) held by EP rank `ep_rank` of an EP group of
-    `ep_size`: the parameters and buffers of the transformer as built for that rank (on the
-    meta device: no memory, no process group). Weights depend on the layout only through
-    the EP degree and rank. Expert bytes are those of the `moe_mlp` modules (router gate,
-    expert weights including zero-padded heads, bias buffers) summed over the MoE layers."""
-    parallel = ParallelConfig(ulysses_degree=ep_size)
-    ctx = ParallelContext(topology=_topology(model, parallel), rank=ep_rank,
-                          _groups={a: None for a in AXES})
+    `ep_size`: the parameters and buffers of the transformer's modules as built for that rank
+    (on the meta device: no memory, no process group). Weights depend on the layout only
+    through the EP degree and rank. Expert bytes are those of the `moe_mlp` modules (router
+    gate, expert weights including zero-padded heads, bias buffers) of every MoE layer."""
     with torch.device("meta"):
-        net = Magi2Transformer(model, ctx, dtype=dtype)
-    total = expert = 0
-    for name, t in [*net.named_parameters(), *net.named_buffers()]:
-        size = t.numel() * t.element_size()
-        total += size
-        if ".moe_mlp." in name:
-            expert += size
-    return expert, total
+        moe = MoEMLP(model, dtype, _context(model, ep_size, ep_rank)).moe_mlp
+    expert = len(model.moe_layer_ids) * _nbytes(moe)
+    return expert, _non_expert_bytes(model, dtype) + expert

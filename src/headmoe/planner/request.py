@@ -29,8 +29,9 @@ class RequestShape:
     text_tokens: tuple[int, int]
 
     def __post_init__(self) -> None:
-        for name, values in (("video_latent", self.video_latent), ("text_tokens", self.text_tokens)):
-            if not isinstance(values, tuple) or len(values) != (3 if name == "video_latent" else 2):
+        for name, values, n in (("video_latent", self.video_latent, 3),
+                                ("text_tokens", self.text_tokens, 2)):
+            if not isinstance(values, tuple) or len(values) != n:
                 raise ValueError(f"{name} must be a tuple of ints, got {values!r}")
             for v in values:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 0:
