@@ -5,6 +5,8 @@ SP2 x DP2), fp32 and bf16, each loading the same tiny checkpoint; the reference 
 one-rank forward of the same request in this process.
 """
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -67,10 +69,8 @@ def run_layouts(rank: int, world: int, path: str) -> dict:
                 ctx.counters.reset()
                 results[name, dtype, rname] = _as_numpy(model(req))
                 if rname == "main":
-                    kinds = [r.kind for r in ctx.counters.exchanges]
-                    results[name, dtype, "counts"] = (kinds.count("ulysses_in"),
-                                                      kinds.count("ulysses_out"),
-                                                      len(ctx.counters.moe_rows))
+                    kinds = Counter(r.kind for r in ctx.counters.exchanges)
+                    results[name, dtype, "counts"] = (dict(kinds), len(ctx.counters.moe_rows))
             if name in ("SP4", "SP4-EP2-ep_group") and dtype == torch.float32:
                 sd = model.state_dict()
                 results[name, "moe"] = {
@@ -116,8 +116,12 @@ def test_six_layouts_bit_identical(tmp_path):
                             rank, name, dtype, rname, "video")
                         assert torch.equal(torch.from_numpy(ga), torch.from_numpy(ra)), (
                             rank, name, dtype, rname, "audio")
-                # one fused Ulysses all-to-all in and one out per layer, one call per MoE layer
-                assert res[name, dtype, "counts"] == (layers, layers, len(TINY.moe_layer_ids))
+                # per forward: one fused Ulysses all-to-all in and one out per layer, the two
+                # MoE all-to-alls per MoE layer, one output gather; no size collectives
+                moe = len(TINY.moe_layer_ids)
+                assert res[name, dtype, "counts"] == ({
+                    "ulysses_in": layers, "ulysses_out": layers, "moe_scatter": moe,
+                    "moe_gather": moe, "sp_output_gather": 1}, moe), (rank, name)
     full = load_file(path)
     for name, ep in (("SP4", 4), ("SP4-EP2-ep_group", 2)):
         per = 12 // ep * TINY.moe_num_experts
