@@ -13,7 +13,8 @@ spreads over every layout instead of biasing one. Layout names: see
 Columns: per-step time (max over ranks, mean over the steps after the first, mean over the
 repeats), busiest-rank MoE rows per call, MoE and Ulysses bytes sent per rank per step (the
 busiest sender), the hashes and whether they equal the first layout's, and whether every
-rank's counters equal the planner's prediction for the same request.
+rank's counters equal the planner's prediction for the same request ("n/a" for a model
+that is not a preset).
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def summarize(name: str, parallel: ParallelConfig, sides: list[dict[str, Any]],
     ref = first or side
     same = all((s["video_sha256"], s["audio_sha256"]) == (ref["video_sha256"], ref["audio_sha256"])
                for s in sides)
-    match = all(predicted_summary(s, parallel, int(r)) == c
-                for s in sides for r, c in s["counters"].items())
+    predicted = [(predicted_summary(s, parallel, int(r)), c)
+                 for s in sides for r, c in s["counters"].items()]
+    match = None if any(p is None for p, _ in predicted) else all(p == c for p, c in predicted)
     return {
         "layout": name,
         "world_size": parallel.world_size,
@@ -212,7 +214,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                  f"{r['ulysses_bytes_sent_per_rank_per_step'] / MIB:.2f}",
                  r["video_sha256"][:16], r["audio_sha256"][:16],
                  "yes" if r["same_as_first"] else "**NO**",
-                 "yes" if r["counters_match_plan"] else "**NO**")
+                 {True: "yes", False: "**NO**", None: "n/a"}[r["counters_match_plan"]])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
