@@ -9,7 +9,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: tuple[str, ...] = ("headmoe.cli.generate",)
+SUBCOMMANDS: tuple[str, ...] = ("headmoe.cli.generate", "headmoe.cli.plan", "headmoe.cli.compare")
 
 
 def build_parser() -> argparse.ArgumentParser:
