@@ -37,9 +37,20 @@ from headmoe.planner.predict import DTYPES, forward_counters
 from headmoe.planner.request import RequestShape
 
 #: generate options compare sets itself (by argparse dest)
-OWN_DESTS = frozenset({"ulysses_degree", "cfg_parallel_size", "data_parallel_size",
-                       "enable_expert_parallel", "expert_parallel_size", "moe_exchange",
-                       "nproc", "output", "no_progress", "help"})
+OWN_DESTS = frozenset(
+    {
+        "ulysses_degree",
+        "cfg_parallel_size",
+        "data_parallel_size",
+        "enable_expert_parallel",
+        "expert_parallel_size",
+        "moe_exchange",
+        "nproc",
+        "output",
+        "no_progress",
+        "help",
+    }
+)
 MIB = 1 << 20
 
 Runner = Callable[[list[str]], None]
@@ -57,15 +68,24 @@ def _generate_actions() -> list[argparse.Action]:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `compare` (with every `generate` flag it forwards); handler `args.run`."""
     p = subparsers.add_parser(
-        "compare", help="run one request under several layouts; compare times, bytes, hashes",
+        "compare",
+        help="run one request under several layouts; compare times, bytes, hashes",
         description=__doc__.split("\n\n")[0],
     )
-    p.add_argument("--layouts", nargs="+", required=True, metavar="LAYOUT",
-                   help='layout names, e.g. "sp4" "sp4,ep2" "sp2,cfg2" "sp4,ep2,sp_group"')
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        required=True,
+        metavar="LAYOUT",
+        help='layout names, e.g. "sp4" "sp4,ep2" "sp2,cfg2" "sp4,ep2,sp_group"',
+    )
     p.add_argument("--repeat", type=int, default=1, help="runs per layout, interleaved")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--output-dir", default=None,
-                   help="keep the mp4s and sidecars here (default: a temporary folder)")
+    p.add_argument(
+        "--output-dir",
+        default=None,
+        help="keep the mp4s and sidecars here (default: a temporary folder)",
+    )
     forwarded = []
     for action in _generate_actions():
         p._add_action(action)
@@ -92,13 +112,24 @@ def generate_flags(args: argparse.Namespace) -> list[str]:
 
 def layout_flags(parallel: ParallelConfig) -> list[str]:
     """`generate` flags of a layout, `--nproc` included."""
-    flags = ["--ulysses-degree", str(parallel.ulysses_degree),
-             "--cfg-parallel-size", str(parallel.cfg_parallel_size),
-             "--data-parallel-size", str(parallel.data_parallel_size),
-             "--moe-exchange", parallel.moe_exchange, "--nproc", str(parallel.world_size)]
+    flags = [
+        "--ulysses-degree",
+        str(parallel.ulysses_degree),
+        "--cfg-parallel-size",
+        str(parallel.cfg_parallel_size),
+        "--data-parallel-size",
+        str(parallel.data_parallel_size),
+        "--moe-exchange",
+        parallel.moe_exchange,
+        "--nproc",
+        str(parallel.world_size),
+    ]
     if parallel.enable_expert_parallel:
-        flags += ["--enable-expert-parallel",
-                  "--expert-parallel-size", str(parallel.expert_parallel_size)]
+        flags += [
+            "--enable-expert-parallel",
+            "--expert-parallel-size",
+            str(parallel.expert_parallel_size),
+        ]
     return flags
 
 
@@ -122,8 +153,9 @@ def sidecar_file(output: Path, parallel: ParallelConfig) -> Path:
     return output.with_name(stem + ".json")
 
 
-def predicted_summary(side: dict[str, Any], parallel: ParallelConfig,
-                      rank: int) -> dict[str, Any] | None:
+def predicted_summary(
+    side: dict[str, Any], parallel: ParallelConfig, rank: int
+) -> dict[str, Any] | None:
     """The planner's `Counters.summary()` for `rank` over the run's steps (None for a model
     that is not a preset)."""
     name = side["model"]["name"]
@@ -131,16 +163,19 @@ def predicted_summary(side: dict[str, Any], parallel: ParallelConfig,
         return None
     req = side["request"]
     text = ByteTextEncoder(1)
-    shape = RequestShape(tuple(side["latents"]["video"][:3]), side["latents"]["audio"][0],
-                         (len(text.tokenize(req["prompt"])),
-                          len(text.tokenize(req["negative_prompt"]))))
+    shape = RequestShape(
+        tuple(side["latents"]["video"][:3]),
+        side["latents"]["audio"][0],
+        (len(text.tokenize(req["prompt"])), len(text.tokenize(req["negative_prompt"]))),
+    )
     one = forward_counters(get_config(name), shape, parallel, rank, DTYPES[req["dtype"]])
     steps = req["num_inference_steps"]
     return Counters(one.moe_rows * steps, one.exchanges * steps).summary()
 
 
-def summarize(name: str, parallel: ParallelConfig, sides: list[dict[str, Any]],
-              first: dict[str, Any] | None) -> dict[str, Any]:
+def summarize(
+    name: str, parallel: ParallelConfig, sides: list[dict[str, Any]], first: dict[str, Any] | None
+) -> dict[str, Any]:
     """One table row from a layout's sidecars (`first`: the first layout's first sidecar)."""
     side = sides[0]
     steps = side["request"]["num_inference_steps"]
@@ -152,14 +187,22 @@ def summarize(name: str, parallel: ParallelConfig, sides: list[dict[str, Any]],
     counters = side["counters"]
 
     def sent(*kinds: str) -> int:
-        return max(sum(c["exchanges"].get(k, {}).get("bytes_sent", 0) for k in kinds)
-                   for c in counters.values()) // steps
+        return (
+            max(
+                sum(c["exchanges"].get(k, {}).get("bytes_sent", 0) for k in kinds)
+                for c in counters.values()
+            )
+            // steps
+        )
 
     ref = first or side
-    same = all((s["video_sha256"], s["audio_sha256"]) == (ref["video_sha256"], ref["audio_sha256"])
-               for s in sides)
-    predicted = [(predicted_summary(s, parallel, int(r)), c)
-                 for s in sides for r, c in s["counters"].items()]
+    same = all(
+        (s["video_sha256"], s["audio_sha256"]) == (ref["video_sha256"], ref["audio_sha256"])
+        for s in sides
+    )
+    predicted = [
+        (predicted_summary(s, parallel, int(r)), c) for s in sides for r, c in s["counters"].items()
+    ]
     match = None if any(p is None for p, _ in predicted) else all(p == c for p, c in predicted)
     return {
         "layout": name,
@@ -169,8 +212,9 @@ def summarize(name: str, parallel: ParallelConfig, sides: list[dict[str, Any]],
         "busiest_moe_rows": max(c["moe_rows_max_per_call"] for c in counters.values()),
         "moe_bytes_sent_per_rank_per_step": sent("moe_scatter", "moe_gather"),
         "ulysses_bytes_sent_per_rank_per_step": sent("ulysses_in", "ulysses_out"),
-        "bytes_sent_per_rank_per_step": sent(*{k for c in counters.values()
-                                               for k in c["exchanges"]}),
+        "bytes_sent_per_rank_per_step": sent(
+            *{k for c in counters.values() for k in c["exchanges"]}
+        ),
         "video_sha256": side["video_sha256"],
         "audio_sha256": side["audio_sha256"],
         "same_as_first": same,
@@ -178,9 +222,14 @@ def summarize(name: str, parallel: ParallelConfig, sides: list[dict[str, Any]],
     }
 
 
-def compare(layouts: Sequence[str], gen_flags: list[str], repeat: int, out_dir: Path,
-            runner: Runner = subprocess_runner, log: Callable[[str], None] | None = None,
-            ) -> list[dict[str, Any]]:
+def compare(
+    layouts: Sequence[str],
+    gen_flags: list[str],
+    repeat: int,
+    out_dir: Path,
+    runner: Runner = subprocess_runner,
+    log: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
     """Run every layout `repeat` times (interleaved) and return one row per layout.
     Layout names are validated before anything runs (`ValueError`)."""
     parallels = [parse_layout(n) for n in layouts]
@@ -192,8 +241,17 @@ def compare(layouts: Sequence[str], gen_flags: list[str], repeat: int, out_dir: 
     sides: list[list[dict[str, Any]]] = [[] for _ in layouts]
     for k, i in run_order(len(layouts), repeat):
         output = out_dir / f"{names[i].replace(',', '_')}.r{k}.mp4"
-        cmd = [sys.executable, "-m", "headmoe.cli.main", "generate", *gen_flags,
-               *layout_flags(parallels[i]), "--output", str(output), "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "headmoe.cli.main",
+            "generate",
+            *gen_flags,
+            *layout_flags(parallels[i]),
+            "--output",
+            str(output),
+            "--no-progress",
+        ]
         if log:
             log(f"[{k + 1}/{repeat}] {names[i]}: {' '.join(cmd[2:])}")
         runner(cmd)
@@ -203,18 +261,32 @@ def compare(layouts: Sequence[str], gen_flags: list[str], repeat: int, out_dir: 
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ("layout", "ranks", "step s (max rank, mean after 1st)", "busiest MoE rows/call",
-            "MoE MiB sent/rank/step", "Ulysses MiB sent/rank/step", "video_sha256",
-            "audio_sha256", "same bytes as first", "counters = plan")
+    head = (
+        "layout",
+        "ranks",
+        "step s (max rank, mean after 1st)",
+        "busiest MoE rows/call",
+        "MoE MiB sent/rank/step",
+        "Ulysses MiB sent/rank/step",
+        "video_sha256",
+        "audio_sha256",
+        "same bytes as first",
+        "counters = plan",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = (r["layout"], str(r["world_size"]), f"{r['step_time_s']:.3f}",
-                 f"{r['busiest_moe_rows']:,}",
-                 f"{r['moe_bytes_sent_per_rank_per_step'] / MIB:.2f}",
-                 f"{r['ulysses_bytes_sent_per_rank_per_step'] / MIB:.2f}",
-                 r["video_sha256"][:16], r["audio_sha256"][:16],
-                 "yes" if r["same_as_first"] else "**NO**",
-                 {True: "yes", False: "**NO**", None: "n/a"}[r["counters_match_plan"]])
+        cells = (
+            r["layout"],
+            str(r["world_size"]),
+            f"{r['step_time_s']:.3f}",
+            f"{r['busiest_moe_rows']:,}",
+            f"{r['moe_bytes_sent_per_rank_per_step'] / MIB:.2f}",
+            f"{r['ulysses_bytes_sent_per_rank_per_step'] / MIB:.2f}",
+            r["video_sha256"][:16],
+            r["audio_sha256"][:16],
+            "yes" if r["same_as_first"] else "**NO**",
+            {True: "yes", False: "**NO**", None: "n/a"}[r["counters_match_plan"]],
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -227,14 +299,21 @@ def run(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
         with tempfile.TemporaryDirectory(prefix="headmoe-compare-") as tmp:
             out_dir = Path(args.output_dir or tmp)
             out_dir.mkdir(parents=True, exist_ok=True)
-            rows = compare(args.layouts, flags, args.repeat, out_dir, runner,
-                           log=lambda m: print(m, file=sys.stderr))
+            rows = compare(
+                args.layouts,
+                flags,
+                args.repeat,
+                out_dir,
+                runner,
+                log=lambda m: print(m, file=sys.stderr),
+            )
     except (ValueError, RuntimeError) as e:
         print(f"headmoe compare: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"generate_flags": flags, "repeat": args.repeat, "layouts": rows},
-                         indent=2))
+        print(
+            json.dumps({"generate_flags": flags, "repeat": args.repeat, "layouts": rows}, indent=2)
+        )
     else:
         print(format_table(rows))
     return 0 if all(r["same_as_first"] for r in rows) else 1

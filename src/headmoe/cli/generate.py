@@ -44,6 +44,8 @@ FLAGS: dict[str, str] = {
             "moe_exchange",
             "model",
             "model_config",
+            "output",
+            "timeout",
         )
     },
     "world_size": "--nproc",
@@ -171,12 +173,13 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
-        model_config, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
+        model_config, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
         validate_parallel(model_config, parallel)
         # the codecs' own size checks, before any rank starts
         from headmoe.pipeline.encoders import TinyVideoDecoder
 
         TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
+        _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
     except ValueError as exc:
         raise ValueError(flagify(str(exc))) from None
     job = GenerateJob(

@@ -87,31 +87,56 @@ def request_from_args(args: argparse.Namespace) -> RequestShape:
 def format_table(plans: list[LayoutPlan], reason: str) -> str:
     """The plan as a Markdown table plus the recommendation line. "auto" marks the exchange
     mode the MoE layer's "auto" rule picks."""
-    head = ("SP x CFG x DP", "EP", "MoE exchange", "attn heads/rank", "MoE heads/rank (+pad)",
-            "busiest MoE rows/layer", "MoE MiB sent/rank/layer", "Ulysses MiB sent/rank/layer",
-            "a2a peers Uly/MoE", "expert GiB/rank", "weights GiB/rank", "")
+    head = (
+        "SP x CFG x DP",
+        "EP",
+        "MoE exchange",
+        "attn heads/rank",
+        "MoE heads/rank (+pad)",
+        "busiest MoE rows/layer",
+        "MoE MiB sent/rank/layer",
+        "Ulysses MiB sent/rank/layer",
+        "a2a peers Uly/MoE",
+        "expert GiB/rank",
+        "weights GiB/rank",
+        "",
+    )
     rows = [head, tuple("---" for _ in head)]
-    autos = {(p.parallel.ulysses_degree, p.parallel.cfg_parallel_size,
-              p.parallel.data_parallel_size, p.expert_parallel_size, p.auto_exchange)
-             for p in plans}
+    autos = {
+        (
+            p.parallel.ulysses_degree,
+            p.parallel.cfg_parallel_size,
+            p.parallel.data_parallel_size,
+            p.expert_parallel_size,
+            p.auto_exchange,
+        )
+        for p in plans
+    }
     for p in plans:
         par = p.parallel
-        key = (par.ulysses_degree, par.cfg_parallel_size, par.data_parallel_size,
-               p.expert_parallel_size, p.moe_exchange)
-        rows.append((
-            f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
-            str(p.expert_parallel_size),
-            p.moe_exchange + (" (auto)" if key in autos else ""),
-            str(p.attention_heads_per_rank),
-            f"{p.moe_heads_per_rank} (+{p.padded_moe_heads})",
-            f"{p.busiest_moe_rows:,}",
-            f"{p.moe_bytes_sent_per_rank / MIB:,.2f}",
-            f"{p.ulysses_bytes_sent_per_rank / MIB:,.2f}",
-            f"{p.ulysses_peers}/{p.moe_peers}",
-            f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
-            f"{p.weight_bytes_per_rank / GIB:,.2f}",
-            "**recommended**" if p.recommended else "",
-        ))
+        key = (
+            par.ulysses_degree,
+            par.cfg_parallel_size,
+            par.data_parallel_size,
+            p.expert_parallel_size,
+            p.moe_exchange,
+        )
+        rows.append(
+            (
+                f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
+                str(p.expert_parallel_size),
+                p.moe_exchange + (" (auto)" if key in autos else ""),
+                str(p.attention_heads_per_rank),
+                f"{p.moe_heads_per_rank} (+{p.padded_moe_heads})",
+                f"{p.busiest_moe_rows:,}",
+                f"{p.moe_bytes_sent_per_rank / MIB:,.2f}",
+                f"{p.ulysses_bytes_sent_per_rank / MIB:,.2f}",
+                f"{p.ulysses_peers}/{p.moe_peers}",
+                f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
+                f"{p.weight_bytes_per_rank / GIB:,.2f}",
+                "**recommended**" if p.recommended else "",
+            )
+        )
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     best = next(p for p in plans if p.recommended)
     return "\n".join(lines) + f"\n\nRecommended: {best.name} — {reason}."

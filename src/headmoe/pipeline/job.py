@@ -145,13 +145,18 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
 
 
 def resolve_model(
-    model: str, cache_dir: str | os.PathLike, model_config: str | None = None
+    model: str,
+    cache_dir: str | os.PathLike,
+    model_config: str | None = None,
+    *,
+    write: bool = True,
 ) -> tuple[Any, str]:
     """``(Magi2Config, checkpoint path)`` for ``model``: the preset "tiny" (deterministic
     random weights, seed `TINY_CHECKPOINT_SEED`, written once to ``cache_dir`` under a name
-    that hashes the tensor spec, atomically) or a checkpoint path (``.safetensors`` or
-    ``.safetensors.index.json``) whose config is the preset ``model_config`` or a
-    ``config.json`` (a `Magi2Config.to_dict()`) in the checkpoint's folder.
+    that hashes the tensor spec, atomically; ``write=False`` only names the file) or a
+    checkpoint path (``.safetensors`` or ``.safetensors.index.json``) whose config is the
+    preset ``model_config`` or a ``config.json`` (a `Magi2Config.to_dict()`) in the
+    checkpoint's folder.
 
     Raises `ValueError` naming ``model`` / ``model_config`` for anything else."""
     from headmoe.models.magi2 import (
@@ -166,11 +171,9 @@ def resolve_model(
         cfg = get_config("tiny")
         spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
         key = json.dumps([cfg.to_dict(), spec, TINY_CHECKPOINT_SEED], default=list)
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        path = (
-            Path(cache_dir).expanduser() / f"tiny-seed{TINY_CHECKPOINT_SEED}-{digest}.safetensors"
-        )
-        if not path.exists():
+        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        path = Path(cache_dir).expanduser() / f"{name}.safetensors"
+        if write and not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
             try:
@@ -200,9 +203,8 @@ def resolve_model(
             f"({', '.join(sorted(PRESETS))})"
         )
     raw = json.loads(cfg_file.read_text())
-    return Magi2Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}), str(
-        path
-    )
+    cfg = Magi2Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    return cfg, str(path)
 
 
 def output_path(output: str | os.PathLike, dp_index: int, dp_size: int) -> Path:

@@ -1,0 +1,182 @@
+"""`headmoe generate` end to end: flag validation, a real multi-rank run decoded back, and
+a rank killed mid-run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from headmoe.cli.generate import flagify
+from headmoe.cli.main import build_parser, main
+from headmoe.pipeline.media import read_mp4
+
+HEADMOE = str(Path(sys.executable).with_name("headmoe"))
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (
+            ["--expert-parallel-size", "3", "--ulysses-degree", "4", "--enable-expert-parallel"],
+            "--expert-parallel-size=3 must divide --ulysses-degree=4",
+        ),
+        (
+            ["--nproc", "4", "--ulysses-degree", "8"],
+            "--nproc has 4 ranks but the layout needs --ulysses-degree 8",
+        ),
+        (
+            ["--ulysses-degree", "16"],
+            "num_attention_heads=24 must be divisible by --ulysses-degree=16",
+        ),
+        (
+            ["--expert-parallel-size", "2", "--ulysses-degree", "2"],
+            "--expert-parallel-size=2 requires --enable-expert-parallel",
+        ),
+        (["--cfg-parallel-size", "3", "--nproc", "3"], "--cfg-parallel-size=3 must be 1 or 2"),
+        (["--width", "50"], "--width must be a positive multiple of 16, got 50"),
+        (["--num-inference-steps", "0"], "--num-inference-steps must be a positive int"),
+        (["--output", "x.avi"], "--output must end in .mp4"),
+        (["--model", "nowhere.safetensors"], "--model must be 'tiny' or an existing"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+    ],
+)
+def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            "x",
+            "--cache-dir",
+            str(tmp_path / "c"),
+            "--output",
+            str(tmp_path / "o.mp4"),
+            *flags,
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err, err
+    assert not (tmp_path / "o.mp4").exists()
+
+
+def test_flagify_only_rewrites_field_names():
+    assert (
+        flagify("seed must be a non-negative int, got -1")
+        == "--seed must be a non-negative int, got -1"
+    )
+    assert flagify("x for a head-style model") == "x for a head-style model"
+    assert flagify("negative_prompt must be a str") == "--negative-prompt must be a str"
+
+
+def test_parser_has_generate_and_required_prompt():
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate"])
+    args = parser.parse_args(["generate", "--prompt", "p"])
+    assert args.model == "tiny" and args.nproc is None and args.fps == 12.5
+
+
+@pytest.mark.multirank
+def test_console_command_writes_playable_mp4(tmp_path):
+    out = tmp_path / "demo.mp4"
+    cmd = [
+        HEADMOE,
+        "generate",
+        "--prompt",
+        "a lighthouse at dusk",
+        "--nproc",
+        "4",
+        "--ulysses-degree",
+        "4",
+        "--enable-expert-parallel",
+        "--expert-parallel-size",
+        "2",
+        "--num-inference-steps",
+        "3",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--output",
+        str(out),
+        "--timeout",
+        "120",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert "denoising" in proc.stderr and f"wrote {out}" in proc.stdout
+    frames, audio, fps, rate = read_mp4(out)
+    assert frames.shape == (13, 64, 96, 3) and fps == 12.5 and rate == 44100
+    assert abs(audio.shape[1] / rate - 13 / 12.5) < 2048 / rate  # AAC frame padding
+    side = json.loads(out.with_suffix(".json").read_text())
+    assert side["layout"]["world_size"] == 4 and side["layout"]["expert_parallel_size"] == 2
+    assert sorted(side["step_times_s"]["per_rank"]) == ["0", "1", "2", "3"]
+    assert len(side["step_times_s"]["max"]) == 3
+    assert all(side["counters"][r]["moe_calls"] > 0 for r in "0123")
+    assert len(side["video_sha256"]) == 64 and len(side["audio_sha256"]) == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "demo.json", "demo.mp4"]
+
+
+def _worker_pids(parent):
+    """Spawned rank processes under ``parent`` (the launcher)."""
+    kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    out = []
+    for pid in kids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.multirank
+def test_killed_rank_fails_the_command_and_leaves_no_output(tmp_path):
+    out = tmp_path / "killed.mp4"
+    timeout = 60
+    cmd = [
+        HEADMOE,
+        "generate",
+        "--prompt",
+        "x",
+        "--nproc",
+        "2",
+        "--ulysses-degree",
+        "2",
+        "--num-inference-steps",
+        "200",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--output",
+        str(out),
+        "--timeout",
+        str(timeout),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = bytearray()
+    reader = threading.Thread(
+        target=lambda: [err.extend(c) for c in iter(lambda: proc.stderr.read1(4096), b"")],
+        daemon=True,
+    )
+    reader.start()
+    deadline = time.monotonic() + 180
+    while b" 2/200 " not in err and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, err.decode(errors="replace")
+    victims = _worker_pids(proc.pid)
+    assert len(victims) == 2, victims
+    os.kill(victims[1], signal.SIGKILL)
+    t_kill = time.monotonic()
+    code = proc.wait(timeout=timeout + 30)
+    elapsed = time.monotonic() - t_kill
+    reader.join(timeout=5)
+    text = err.decode(errors="replace")
+    assert code == 1 and elapsed < timeout, (code, elapsed, text)
+    assert "failed" in text and "killed by signal 9" in text
+    assert not out.exists() and not out.with_suffix(".json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
