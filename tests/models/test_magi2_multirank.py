@@ -42,11 +42,13 @@ MOE_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias_ema")
 
 def requests():
     """The main request (L = 253: uneven over 2 and 4 ranks; at SP4 rank 2 holds 2 text tokens,
-    at SP2 rank 1 holds 2 of branch 0's text tokens) and a small one (L = 18: at SP4 rank 0
-    holds one audio token)."""
+    at SP2 rank 1 holds 2 of branch 0's text tokens), a small one (L = 18: at SP4 rank 0
+    holds one audio token) and one with a single video token per branch and no audio or text
+    (L = 2: ranks without any token)."""
     return {
         "main": make_request(TINY, 11, (4, 4, 6), 25, (8, 3)),
         "small": make_request(TINY, 12, (1, 2, 2), 3, (2, 2)),
+        "empty-ranks": make_request(TINY, 13, (1, 1, 1), 0, (0, 0)),
     }
 
 
@@ -62,7 +64,7 @@ def run_layouts(rank: int, world: int, path: str) -> dict:
             model = Magi2Transformer(TINY, ctx, dtype=dtype)
             load_checkpoint(model, path)
             for rname, req in requests().items():
-                if rname == "small" and dtype != torch.float32:
+                if rname != "main" and dtype != torch.float32:
                     continue
                 if pc.cfg_parallel_size == 2:
                     req = [req[ctx.coords.cfg]]
@@ -86,6 +88,7 @@ def test_request_shapes_are_uneven_with_few_tokens():
                for b in reqs["main"]) == 253
     assert sp_token_counts(253, 4) == (64, 63, 63, 63)  # rank 2 starts at 127: text 127, 128
     assert sp_token_counts(18, 4) == (5, 5, 4, 4)  # rank 0: video 0-3, audio 4
+    assert sp_token_counts(2, 4) == (1, 1, 0, 0) and sp_token_counts(1, 2) == (1, 0)
 
 
 @pytest.mark.multirank
@@ -103,8 +106,8 @@ def test_six_layouts_bit_identical(tmp_path):
     for rank, res in enumerate(out):
         for name, pc in LAYOUTS.items():
             for dtype in DTYPES:
-                for rname in ("main", "small"):
-                    if rname == "small" and dtype != torch.float32:
+                for rname in requests():
+                    if rname != "main" and dtype != torch.float32:
                         continue
                     ref = refs[dtype, rname]
                     if pc.cfg_parallel_size == 2:  # CFG rank c computes branch c alone
