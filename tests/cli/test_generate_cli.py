@@ -180,3 +180,47 @@ def test_killed_rank_fails_the_command_and_leaves_no_output(tmp_path):
     assert "failed" in text and "killed by signal 9" in text
     assert not out.exists() and not out.with_suffix(".json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+def test_torchrun_env(monkeypatch):
+    from headmoe.distributed.launch import RankEnv, torchrun_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert torchrun_env() is None
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert torchrun_env() is None  # LOCAL_RANK missing: not a launched rank
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert torchrun_env() == RankEnv(5, 8, 1, 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert torchrun_env() == RankEnv(5, 8, 1, 4)
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK must be an int, got 'x'"):
+        torchrun_env()
+
+
+def test_nproc_must_match_torchrun_world(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    code = main(
+        [
+            "generate",
+            "--prompt",
+            "x",
+            "--nproc",
+            "4",
+            "--ulysses-degree",
+            "4",
+            "--cache-dir",
+            str(tmp_path),
+        ]
+    )
+    assert (
+        code == 2 and "--nproc 4 does not match the torchrun world of 2" in capsys.readouterr().err
+    )
+    code = main(
+        ["generate", "--prompt", "x", "--ulysses-degree", "4", "--cache-dir", str(tmp_path)]
+    )
+    assert code == 2 and "the torchrun world has 2 ranks" in capsys.readouterr().err
