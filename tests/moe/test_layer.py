@@ -125,12 +125,13 @@ def test_forward_validates_input_and_counts_rows():
 
 
 def test_exchange_rule_and_dispatch_plans():
-    assert resolve_exchange("sp_group", 4, 4, True) == "ep_group"  # no replicas: same group
-    assert resolve_exchange("auto", 4, 2, True) == "sp_group"
-    assert resolve_exchange("auto", 4, 2, False) == "ep_group"
-    assert resolve_exchange("ep_group", 4, 1, True) == "ep_group"
+    assert resolve_exchange("sp_group", 4, 4) == "ep_group"  # no replicas: same group
+    assert resolve_exchange("sp_group", 4, 2) == "sp_group"
+    assert resolve_exchange("auto", 4, 2) == "ep_group"
+    assert resolve_exchange("auto", 4, 1) == "ep_group"
+    assert plan_dispatch("auto", (7, 6, 5, 6), 3, 2, True)[0] == "ep"
     with pytest.raises(ValueError, match="moe_exchange"):
-        resolve_exchange("ring", 4, 2, True)
+        resolve_exchange("ring", 4, 2)
     axis, layout = plan_dispatch("ep_group", (7, 6, 5, 6), 3, 2, True)
     assert (axis, layout.token_counts, layout.rank) == ("ep", (5, 6), 1)
     axis, layout = plan_dispatch("sp_group", (3, 0, 1, 6), 2, 2, True)

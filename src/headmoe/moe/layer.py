@@ -31,20 +31,18 @@ from headmoe.moe.routing import route
 EXPERTS_BATCH_INVARIANT = True
 
 
-def resolve_exchange(mode: str, sp_size: int, ep_size: int, batch_invariant: bool) -> str:
+def resolve_exchange(mode: str, sp_size: int, ep_size: int) -> str:
     """The dispatch group of a configured `moe_exchange` mode: "ep_group" or "sp_group".
 
-    Pure function of static things (every rank gets the same answer). Without replicas
-    (`ep_size == sp_size`) both groups are the same and the answer is "ep_group". "auto"
-    picks "sp_group" when replicas exist and the expert path is batch-invariant, "ep_group"
-    otherwise (measurements in docs/moe.md)."""
+    A pure function of the config and topology, so every rank gets the same answer. Without
+    replicas (`ep_size == sp_size`) both groups are the same and the answer is "ep_group".
+    "auto" is "ep_group": the replicated exchange moves (SP-1)/SP instead of (E-1)/E of the
+    rows over more peers and measured slower, while the balanced SP split leaves EP runs
+    within E tokens of each other, so there is no load imbalance for it to fix
+    (measurements in docs/moe.md)."""
     if mode not in ("auto", "ep_group", "sp_group"):
         raise ValueError(f"moe_exchange must be 'auto', 'ep_group' or 'sp_group', got {mode!r}")
-    if ep_size == sp_size:
-        return "ep_group"
-    if mode == "auto":
-        return "sp_group" if batch_invariant else "ep_group"
-    return mode
+    return "sp_group" if mode == "sp_group" and ep_size < sp_size else "ep_group"
 
 
 def plan_dispatch(
@@ -60,7 +58,7 @@ def plan_dispatch(
     sp = len(sp_counts)
     replicas = sp // ep_size
     runs = [sp_counts[r * ep_size : (r + 1) * ep_size] for r in range(replicas)]
-    if resolve_exchange(mode, sp, ep_size, batch_invariant) == "sp_group" and (
+    if resolve_exchange(mode, sp, ep_size) == "sp_group" and (
         batch_invariant or len({sum(run) for run in runs}) == 1
     ):
         policy = "balanced" if batch_invariant else "run_totals"
