@@ -60,6 +60,7 @@ def test_single_rank_matches_reference_and_writes_outputs(tmp_path):
     assert side["video_sha256"] == res["video_sha256"] and side["request"]["prompt"] == "a cat"
     assert len(side["step_times_s"]["per_rank"]["0"]) == 3
     assert side["step_times_s"]["max"] == side["step_times_s"]["per_rank"]["0"]
+    assert side["total_s"] >= sum(side["step_times_s"]["max"])
     assert side["layout"]["ulysses_degree"] == 1 and side["counters"]["0"]["moe_calls"] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.json", "clip.mp4"]
 

@@ -316,7 +316,7 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
             "sample_rate": parts.audio_decoder.sample_rate,
         },
         "step_times_s": {"per_rank": per_rank, "max": [max(ts) for ts in zip(*per_rank.values())]},
-        "total_s": time.perf_counter() - t_start,
+        "total_s": None,  # set once the mp4 is written
         "video_sha256": result["video_sha256"],
         "audio_sha256": result["audio_sha256"],
         "counters": {str(x["rank"]): x["counters"] for x in group},
@@ -324,6 +324,7 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
         **job.extra,
     }
     write_mp4(out, frames, req.fps, audio, parts.audio_decoder.sample_rate)
+    side["total_s"] = time.perf_counter() - t_start
     try:
         write_sidecar(sidecar_path(out), side)
     except BaseException:
