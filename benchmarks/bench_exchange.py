@@ -54,14 +54,19 @@ def uneven(n: int) -> tuple[int, ...]:
     return (n * 3 // 4, n * 5 // 4, n // 2, n * 3 // 2)
 
 
+def skewed(n: int) -> tuple[int, ...]:
+    """Uneven EP runs at SP4 / EP2: run (0, 1) holds 2.75 n tokens, run (2, 3) 1.25 n."""
+    return (n * 3 // 2, n * 5 // 4, n * 3 // 4, n // 2)
+
+
 def configs(quick: bool) -> list[dict]:
     if quick:
         ep = [(d, (n,) * 4) for n in (512, 2048) for d in DTYPES] + [("fp32", uneven(2048))]
-        rep = [("fp32", uneven(2048))]
+        rep = [("fp32", skewed(2048))]
     else:
         ep = [(d, (n,) * 4) for n in (512, 1024, 2048, 4096, 8192) for d in DTYPES]
         ep += [(d, uneven(n)) for n in (2048, 8192) for d in DTYPES]
-        rep = [(d, uneven(n)) for n in (2048, 8192) for d in DTYPES]
+        rep = [(d, c(n)) for n in (2048, 8192) for c in (uneven, skewed) for d in DTYPES]
     return [{"kind": "ep4", "dtype": d, "counts": c} for d, c in ep] + [
         {"kind": "sp4ep2", "dtype": d, "counts": c} for d, c in rep
     ]
