@@ -26,9 +26,9 @@ def _parts(counts: tuple[int, ...], replica_counts) -> list[list[int]]:
     return [list(p) for p in replica_counts] if replica_counts else [[n] for n in counts]
 
 
-def owner_of(rank_world: int, replicas: int, part: int, head: int, heads: int) -> int:
+def owner_of(world: int, replicas: int, part: int, head: int, heads: int) -> int:
     """The rank that computes head `head` of part `part`'s tokens."""
-    shards = rank_world // replicas
+    shards = world // replicas
     return part * shards + head // (heads // shards)
 
 
