@@ -102,3 +102,14 @@ def test_rows_do_not_depend_on_the_batch(cfg, fn, dtype):
     both = _moe(cfg, state, torch.cat([other, x]), fn)
     assert torch.equal(both[50:], full)
     assert _moe(cfg, state, x[:0], fn).shape == (0, cfg.hidden_size)
+
+
+def test_chunked_grouped_gemms_give_the_same_bits(monkeypatch):
+    import headmoe.moe.experts as experts_mod
+
+    state = full_state(CFG, seed=10)
+    x = torch.randn(200, CFG.hidden_size, generator=torch.Generator().manual_seed(11))
+    whole = _moe(CFG, state, x)  # one chunk
+    for elements in (1, 32 * 40, 32 * 100):  # one group per chunk, a few groups, more
+        monkeypatch.setattr(experts_mod, "CHUNK_ELEMENTS", elements)
+        assert torch.equal(_moe(CFG, state, x), whole), elements

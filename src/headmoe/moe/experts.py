@@ -14,22 +14,28 @@ elementwise or a fixed-order sum.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from headmoe.layers.matmul import MIN_ROWS, bi_matmul
-from headmoe.moe.kernels import exact_sigmoid, grouped_mm, pad_features
+from headmoe.moe.kernels import aligned, exact_sigmoid_, grouped_mm, pad_features
 
 #: SwiGLU7 clamp limit and sigmoid gain (MAGI2.md section 2)
 SWIGLU_LIMIT = 7.0
 SWIGLU_ALPHA = 1.702
+#: the fast path runs its GEMMs and activation over chunks of about this many activations
+CHUNK_ELEMENTS = 1 << 20
 
 
-def swiglu7(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)`, elementwise.
+def swiglu7_(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)`, elementwise, computed
+    in place in g (u is clobbered too; in place keeps big activations out of fresh memory).
 
-    g, u: the fp32 gate and up projections `[M, d_expert]`; returns fp32 `[M, d_expert]`."""
-    g = g.clamp(max=SWIGLU_LIMIT)
-    return g * exact_sigmoid(g * SWIGLU_ALPHA) * (u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT) + 1)
+    g, u: the fp32 gate and up projections `[M, d_expert]`; returns g."""
+    g.clamp_(max=SWIGLU_LIMIT)
+    s = exact_sigmoid_(g * SWIGLU_ALPHA)
+    return g.mul_(s).mul_(u.clamp_(-SWIGLU_LIMIT, SWIGLU_LIMIT).add_(1))
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -71,7 +77,7 @@ def experts_reference(
                 continue
             r = head * e_count + e
             x = pad_features(z[tok, head].float())
-            act = swiglu7(bi_matmul(x, wg[r]), bi_matmul(x, wu[r])).to(z.dtype).float()
+            act = swiglu7_(bi_matmul(x, wg[r]), bi_matmul(x, wu[r])).to(z.dtype).float()
             y[tok, head, slot] = bi_matmul(act, wd[r])[:, :d]
     return combine(y, weights).to(z.dtype)
 
@@ -84,9 +90,10 @@ def experts_grouped(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
 ) -> torch.Tensor:
-    """The fast CPU path: sort the routes by (head, expert), pad every non-empty group to at
-    least `MIN_ROWS` rows, run the three projections as grouped GEMMs (one C++ call each, no
-    Python loop over groups), gather the rows back and combine.
+    """The fast CPU path: sort the routes by (head, expert), lay every non-empty group out in
+    one buffer with at least `MIN_ROWS` rows, run the three projections as grouped GEMMs
+    (one C++ call each per chunk of ~`CHUNK_ELEMENTS` activations, never a Python loop over
+    groups), gather the rows back and combine.
 
     Same shapes, dtypes and arithmetic as `experts_reference`; returns `[N, h, d]`."""
     n, h, d = z.shape
@@ -99,14 +106,29 @@ def experts_grouped(
     counts = torch.bincount(route_group, minlength=groups)
     padded = torch.where(counts > 0, counts.clamp_min(MIN_ROWS), 0)
     ends = padded.cumsum(0)
+    total = int(ends[-1])
     # a route's padded row = its sorted position, shifted by its group's padding so far
     shift = (ends - padded) - (counts.cumsum(0) - counts)
     dest = torch.empty_like(order)
     dest[order] = torch.arange(order.numel()) + shift[route_group[order]]
-    wg, wu, wd = _gemm_weights(w_gate, w_up, w_down)
-    rows = z.new_zeros((int(ends[-1]), wg.shape[1]), dtype=torch.float32)
-    rows[dest, :d] = z.reshape(n * h, d).float().repeat_interleave(k, dim=0)
-    ends32 = ends.to(torch.int32)
-    act = swiglu7(grouped_mm(rows, wg, ends32), grouped_mm(rows, wu, ends32))
-    y = grouped_mm(act.to(z.dtype).float(), wd, ends32)
-    return combine(y[dest, :d].view(n, h, k, d), weights).to(z.dtype)
+    # padded row -> source (token, head) row; padding rows read an appended zero row
+    source = torch.full((total,), n * h, dtype=torch.int64)
+    source[dest] = torch.arange(n * h).repeat_interleave(k)
+    zp = pad_features(z.reshape(n * h, d).float())
+    rows = torch.cat([zp, zp.new_zeros((1, zp.shape[1]))]).index_select(0, source)
+    y = torch.empty_like(rows)
+    chunk_rows = max(MIN_ROWS, CHUNK_ELEMENTS // aligned(w_gate.shape[2]))
+    ends_host = ends.tolist()
+    g0 = start = 0
+    while g0 < groups:  # chunks of whole groups, each <= chunk_rows rows or one group
+        g1 = max(bisect.bisect_right(ends_host, start + chunk_rows), g0 + 1)
+        stop = ends_host[g1 - 1]
+        if stop > start:
+            offs = (ends[g0:g1] - start).to(torch.int32)
+            wg, wu, wd = _gemm_weights(w_gate[g0:g1], w_up[g0:g1], w_down[g0:g1])
+            x = rows[start:stop]
+            act = swiglu7_(grouped_mm(x, wg, offs), grouped_mm(x, wu, offs))
+            y[start:stop] = grouped_mm(act.to(z.dtype).float(), wd, offs)
+        g0, start = g1, stop
+    routed = y.index_select(0, dest).view(n, h, k, -1)[..., :d]
+    return combine(routed, weights).to(z.dtype)

@@ -1,6 +1,6 @@
 """Batch-invariant building blocks of the MoE compute (CPU measurements in docs/moe.md).
 
-- `exact_sigmoid`: `torch.sigmoid` gives different bits in its vectorised body and its
+- `exact_sigmoid_`: `torch.sigmoid` gives different bits in its vectorised body and its
   scalar tail, so an element's bits would depend on its position in the batch.
 - `aligned`: MKL's fp32 GEMM gives a row different bits depending on the 64-byte alignment
   of its address when rows are not a multiple of 64 bytes long (measured: K=10), and a row's
@@ -19,10 +19,11 @@ import torch.nn.functional as F
 ALIGN = 16
 
 
-def exact_sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """`1 / (1 + exp(-x))` elementwise, any shape, same dtype; batch-invariant because
-    `exp`, `+` and the reciprocal agree bit for bit in torch's vector and scalar loops."""
-    return torch.exp(-x).add_(1).reciprocal_()
+def exact_sigmoid_(x: torch.Tensor) -> torch.Tensor:
+    """`1 / (1 + exp(-x))` elementwise, in place in x (any shape, float dtype); returns x.
+    Batch-invariant because negation, `exp`, `+` and the reciprocal agree bit for bit in
+    torch's vector and scalar loops."""
+    return x.neg_().exp_().add_(1).reciprocal_()
 
 
 def aligned(n: int) -> int:
