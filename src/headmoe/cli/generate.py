@@ -25,6 +25,7 @@ from typing import Any
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.distributed.launch import LaunchFailure, launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
+from headmoe.pipeline.encoders import TinyVideoDecoder
 from headmoe.pipeline.request import DTYPES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
@@ -175,9 +176,6 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
         model_config, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
         validate_parallel(model_config, parallel)
-        # the codecs' own size checks, before any rank starts
-        from headmoe.pipeline.encoders import TinyVideoDecoder
-
         TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
         _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
     except ValueError as exc:
