@@ -17,6 +17,7 @@ from torch import nn
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import (
+    ExchangeWorkspace,
     HeadLayout,
     gather_heads,
     replica_token_counts,
@@ -86,14 +87,26 @@ class MultiHeadMoE(nn.Module):
     `router.expert_bias`, `router.expert_bias_ema` `[h*E]` fp32. `load_state_dict` accepts
     full (unsharded) or local-shaped tensors; with `config.bias_from_ema` the loaded
     `expert_bias_ema` also becomes `expert_bias`. Inference only (no gradients).
+
+    `workspace`: an optional `ExchangeWorkspace` for both all-to-alls, typically one shared
+    by every MoE layer of a model (layers run one after the other). With it, the output of
+    `forward` may alias the workspace: it stays valid until the next `forward` of a layer
+    sharing that workspace, so consume it (e.g. with the merge linear) before then.
+    Without it every call allocates fresh buffers.
     """
 
-    def __init__(self, config: MoEConfig, context: ParallelContext | None = None):
+    def __init__(
+        self,
+        config: MoEConfig,
+        context: ParallelContext | None = None,
+        workspace: ExchangeWorkspace | None = None,
+    ):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
         self.config = config
         self.context = context
+        self.workspace = workspace
         ep_size, ep_rank = 1, 0
         if context is not None:
             topo = context.topology
@@ -174,15 +187,24 @@ class MultiHeadMoE(nn.Module):
             ctx.config.moe_exchange, counts, ctx.group_rank("sp"), self.ep_size,
             EXPERTS_BATCH_INVARIANT,
         )
-        z = x.new_zeros((t, self.local_heads * self.ep_size, d))
-        z[:, :heads] = x.reshape(t, heads, d)
-        group = ctx.group(axis)
-        owned = scatter_heads(z, group, layout, counters=ctx.counters)
-        y = owned.new_zeros(owned.shape)
+        z = x.reshape(t, heads, d)
+        padded = self.local_heads * self.ep_size
+        if padded != heads:  # zero heads so that every EP rank owns `local_heads`
+            z = torch.cat([z, z.new_zeros((t, padded - heads, d))], dim=1)
+        group, ws = ctx.group(axis), self.workspace
+        owned = scatter_heads(z, group, layout, workspace=ws, counters=ctx.counters)
+        # Padded heads arrive as zeros, which is also their output: a padding-only owner
+        # returns what it received, a mixed owner overwrites only its real heads (`owned` is
+        # a fresh tensor or scatter's workspace buffer, never `x`, since padding means a cat).
+        y = owned
         if self.real_heads and layout.owned_tokens:
-            y[:, : self.real_heads] = self.compute_heads(owned[:, : self.real_heads])
+            res = self.compute_heads(owned[:, : self.real_heads])
+            if self.real_heads == self.local_heads:
+                y = res
+            else:
+                y[:, : self.real_heads] = res
         ctx.counters.record_moe_rows(layout.owned_tokens * self.real_heads)
-        out = gather_heads(y, group, layout, counters=ctx.counters)
+        out = gather_heads(y, group, layout, workspace=ws, counters=ctx.counters)
         return out[:, :heads].reshape(t, cfg.hidden_size)
 
     def _sp_counts(

@@ -25,7 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from headmoe.distributed.context import ParallelContext
-from headmoe.distributed.exchange import ulysses_heads_to_seq, ulysses_qkv_to_heads
+from headmoe.distributed.exchange import (
+    ExchangeWorkspace,
+    ulysses_heads_to_seq,
+    ulysses_qkv_to_heads,
+)
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.attention import segment_attention
 from headmoe.layers.linear import Linear, ModalityLinear
@@ -189,7 +193,8 @@ class MoEMLP(nn.Module):
     modality_specific_shared_expert_fc1 `[3*2*Is, C]`, ..._fc2 `[3*C, Is]`."""
 
     def __init__(
-        self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext
+        self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext,
+        workspace: ExchangeWorkspace | None = None,
     ) -> None:
         super().__init__()
         c, m, s = config.hidden_size, config.num_modalities, config.shared_expert_intermediate_size
@@ -209,6 +214,7 @@ class MoEMLP(nn.Module):
                 route_scale=config.moe_route_scale, dtype=dtype,
             ),
             context,
+            workspace,
         )
 
     def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
@@ -232,7 +238,8 @@ class Magi2Layer(nn.Module):
     branches)."""
 
     def __init__(
-        self, config: Magi2Config, layer_id: int, dtype: torch.dtype, context: ParallelContext
+        self, config: Magi2Config, layer_id: int, dtype: torch.dtype, context: ParallelContext,
+        workspace: ExchangeWorkspace,
     ) -> None:
         super().__init__()
         self.config = config
@@ -240,7 +247,7 @@ class Magi2Layer(nn.Module):
         self.attention = Attention(config, dtype)
         self.mlp = (
             DenseMLP(config, dtype) if layer_id in config.dense_layers
-            else MoEMLP(config, dtype, context)
+            else MoEMLP(config, dtype, context, workspace)
         )
         for branch in ("attn", "mlp"):
             for kind, size in (("pre", n), ("post", n), ("res", n * n)):
@@ -269,12 +276,16 @@ class Magi2Layer(nn.Module):
 
 
 class Block(nn.Module):
-    """`layers`: the transformer layers (checkpoint prefix `block.layers.{i}`)."""
+    """`layers`: the transformer layers (checkpoint prefix `block.layers.{i}`). The MoE
+    layers run one after another and share one `ExchangeWorkspace` for their all-to-alls
+    (each MoE output is consumed by its merge linear before the next MoE layer runs)."""
 
     def __init__(self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext):
         super().__init__()
+        self.exchange_workspace = ExchangeWorkspace()
         self.layers = nn.ModuleList(
-            Magi2Layer(config, i, dtype, context) for i in range(config.num_layers)
+            Magi2Layer(config, i, dtype, context, self.exchange_workspace)
+            for i in range(config.num_layers)
         )
 
 
