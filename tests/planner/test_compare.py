@@ -78,7 +78,7 @@ def test_compare_rejects_bad_layouts_before_running(layouts, tmp_path, capsys):
 
 @pytest.mark.multirank
 def test_compare_end_to_end(tmp_path, capsys):
-    # one real 2-rank run (the 4-layout comparison is in docs/benchmarks/compare.md): the
+    # one real 2-rank run (the 4-layout comparison is in docs/benchmarks.md): the
     # sidecar's counters, summed over 2 steps, equal the planner's prediction
     argv = ["--layouts", "sp2,cfg1", "--json", "--output-dir", str(tmp_path),
             "--prompt", "a fox", "--num-inference-steps", "2"]
