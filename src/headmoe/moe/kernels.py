@@ -42,9 +42,10 @@ def pad_features(t: torch.Tensor, dims: int = 1) -> torch.Tensor:
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Per-group products in one call: rows `[ends[g-1], ends[g])` of a (fp32 `[P, K]`) times
     b[g] (fp32 `[G, K, N]`) -> fp32 `[P, N]`; ends: `[G]` int32 cumulative row ends (empty
-    groups allowed). `torch._grouped_mm` runs one GEMM per group in C++; without it (torch
-    before 2.9) the same GEMMs run from a Python loop (`grouped_mm_loop`)."""
-    if hasattr(torch, "_grouped_mm"):
+    groups allowed). On the CPU `torch._grouped_mm` runs one GEMM per group in C++; without
+    it (torch before 2.9), and on other devices (CUDA's `_grouped_mm` takes bf16 operands
+    only, and these are fp32), the same GEMMs run from a Python loop (`grouped_mm_loop`)."""
+    if hasattr(torch, "_grouped_mm") and a.device.type == "cpu":
         return torch._grouped_mm(a, b, offs=ends)
     return grouped_mm_loop(a, b, ends)
 
