@@ -113,3 +113,17 @@ def test_chunked_grouped_gemms_give_the_same_bits(monkeypatch):
     for elements in (1, 32 * 40, 32 * 100):  # one group per chunk, a few groups, more
         monkeypatch.setattr(experts_mod, "CHUNK_ELEMENTS", elements)
         assert torch.equal(_moe(CFG, state, x), whole), elements
+
+
+@pytest.mark.parametrize("cfg", [CFG, ODD], ids=["grouped", "loop"])
+@pytest.mark.parametrize("fn", [experts_grouped, experts_reference], ids=["fast", "reference"])
+def test_every_tensor_follows_the_input_device(cfg, fn):
+    """On a GPU a tensor made without `device=` lands on the CPU and meets CUDA inputs.
+    Simulated here: with "meta" as the default device such a tensor meets the CPU inputs
+    and raises; tensors made on the inputs' device give the same bits as before."""
+    state = full_state(cfg, seed=12)
+    x = torch.randn(40, cfg.hidden_size, generator=torch.Generator().manual_seed(13))
+    expected = _moe(cfg, state, x, fn)
+    with torch.device("meta"):
+        out = _moe(cfg, state, x, fn)
+    assert out.device.type == "cpu" and torch.equal(out, expected)

@@ -101,7 +101,9 @@ def experts_grouped(
     groups = w_gate.shape[0]
     if n == 0:
         return z.new_zeros((0, h, d))
-    route_group = (experts + torch.arange(h).view(1, h, 1) * (groups // h)).reshape(-1)
+    dev = z.device  # every index tensor lives with the inputs (CUDA rejects CPU ones)
+    heads = torch.arange(h, device=dev).view(1, h, 1)
+    route_group = (experts + heads * (groups // h)).reshape(-1)
     order = torch.argsort(route_group, stable=True)
     counts = torch.bincount(route_group, minlength=groups)
     padded = torch.where(counts > 0, counts.clamp_min(MIN_ROWS), 0)
@@ -110,10 +112,10 @@ def experts_grouped(
     # a route's padded row = its sorted position, shifted by its group's padding so far
     shift = (ends - padded) - (counts.cumsum(0) - counts)
     dest = torch.empty_like(order)
-    dest[order] = torch.arange(order.numel()) + shift[route_group[order]]
+    dest[order] = torch.arange(order.numel(), device=dev) + shift[route_group[order]]
     # padded row -> source (token, head) row; padding rows read an appended zero row
-    source = torch.full((total,), n * h, dtype=torch.int64)
-    source[dest] = torch.arange(n * h).repeat_interleave(k)
+    source = torch.full((total,), n * h, dtype=torch.int64, device=dev)
+    source[dest] = torch.arange(n * h, device=dev).repeat_interleave(k)
     zp = pad_features(z.reshape(n * h, d).float())
     rows = torch.cat([zp, zp.new_zeros((1, zp.shape[1]))]).index_select(0, source)
     y = torch.empty_like(rows)
