@@ -97,11 +97,15 @@ def _ranks_main(rank, world, path):
         start, n = sum(counts[:rank]), counts[rank]
         mine = x[start : start + n]
         for case, tokens, arg in [("given", mine, counts), ("none", mine, None),
-                                  ("bad_len", mine, counts[:3]),
+                                  ("none_meta", mine, None), ("bad_len", mine, counts[:3]),
                                   ("bad_mine", mine[:-1], counts)]:
             calls[mode, case] = []
             try:
-                with _recording(calls[mode, case]):
+                # "none_meta": a tensor made without the input's device (CPU where the input
+                # is CUDA) would land on "meta" and fail the collective
+                with _recording(calls[mode, case]), torch.device(
+                    "meta" if case == "none_meta" else "cpu"
+                ):
                     out = layer(tokens, arg)
             except ValueError as err:
                 calls[mode, case].append(f"ValueError: {err}")
@@ -128,7 +132,8 @@ def test_moe_ep_layouts_equal_single_rank_bitwise(tmp_path):
     for rank, (_, calls) in enumerate(per_rank):
         for mode in ("ep_group", "sp_group"):
             assert calls[mode, "given"] == ["all_to_all_single", "all_to_all_single", True]
-            assert calls[mode, "none"] == [
-                "all_gather", "all_to_all_single", "all_to_all_single", True]
+            for case in ("none", "none_meta"):
+                assert calls[mode, case] == [
+                    "all_gather", "all_to_all_single", "all_to_all_single", True], case
             assert calls[mode, "bad_len"][0].startswith("ValueError: token_counts must be")
             assert calls[mode, "bad_mine"][0].startswith(f"ValueError: token_counts[{rank}]")

@@ -177,7 +177,7 @@ class MultiHeadMoE(nn.Module):
         t, heads, d = x.shape[0], cfg.num_heads, cfg.head_dim
         ctx = self.context
         sp_group = None if ctx is None else ctx.group("sp")
-        counts = self._sp_counts(token_counts, t, sp_group)
+        counts = self._sp_counts(token_counts, t, sp_group, x.device)
         if sp_group is None:
             out = self.compute_heads(x.reshape(t, heads, d)) if t else x.reshape(t, heads, d)
             if ctx is not None:
@@ -208,15 +208,17 @@ class MultiHeadMoE(nn.Module):
         return out[:, :heads].reshape(t, cfg.hidden_size)
 
     def _sp_counts(
-        self, token_counts: Any, t: int, sp_group: Any
+        self, token_counts: Any, t: int, sp_group: Any, device: torch.device
     ) -> tuple[int, ...]:
-        """Validated SP token counts (`(t,)` on one rank; all-gathered when None)."""
+        """Validated SP token counts (`(t,)` on one rank; all-gathered when None, through
+        tensors on `device`, the input's: NCCL takes CUDA tensors only)."""
         sp = 1 if sp_group is None else dist.get_world_size(sp_group)
         if token_counts is None:
             if sp_group is None:
                 return (t,)
-            gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(sp)]
-            dist.all_gather(gathered, torch.tensor([t], dtype=torch.int64), group=sp_group)
+            gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(sp)]
+            mine = torch.tensor([t], dtype=torch.int64, device=device)
+            dist.all_gather(gathered, mine, group=sp_group)
             return tuple(int(c) for c in gathered)
         if not isinstance(token_counts, tuple | list) or len(token_counts) != sp or any(
             isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in token_counts
