@@ -171,3 +171,45 @@ def test_harness_reports_failed_rank_traceback():
     assert "_raise_on_rank_one" in err.failures[1]
     assert err.hung == [0]
     assert "rank 1 failed" in str(err)
+
+
+def test_nccl_rank_takes_its_local_gpu_before_the_default_group(monkeypatch):
+    """Without a GPU: the CUDA and process-group calls are recorded, not made. Under
+    torchrun each rank must make `cuda:LOCAL_RANK` current before NCCL starts (else every
+    rank of a node lands on GPU 0); without LOCAL_RANK, `rank % device_count`."""
+    calls, state = [], {"init": False}
+
+    def init_process_group(**kw):
+        calls.append(("init", kw["backend"], kw["rank"]))
+        state["init"] = True
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set", str(d))))
+    monkeypatch.setattr(dist, "is_initialized", lambda: state["init"])
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: object())
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: state.update(init=False))
+    config = ParallelConfig(data_parallel_size=8)
+
+    def devices(backend, local_rank):
+        calls.clear()
+        if local_rank is None:
+            monkeypatch.delenv("LOCAL_RANK", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_RANK", local_rank)
+        ctx = ParallelContext.initialize(
+            config, rank=5, world_size=8, init_method="tcp://127.0.0.1:1", backend=backend
+        )
+        ctx.destroy()
+        return str(ctx.device), list(calls)
+
+    assert devices("nccl", "3") == ("cuda:3", [("set", "cuda:3"), ("init", "nccl", 5)])
+    assert devices("nccl", None) == ("cuda:1", [("set", "cuda:1"), ("init", "nccl", 5)])
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert devices("gloo", "3") == ("cpu", [("init", "gloo", 5)])
+    calls.clear()
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(ValueError, match="LOCAL_RANK=4"):
+        ParallelContext.initialize(config, rank=5, world_size=8, backend="nccl")
+    assert calls == []  # nothing started

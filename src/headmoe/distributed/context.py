@@ -76,6 +76,11 @@ class ParallelContext:
         MASTER_PORT). The topology is validated *before* any group is created. Group creation
         is transactional: if one fails, all groups created so far (and a default group
         created here) are destroyed and the error propagates.
+
+        Device: `device` if given; else, when this call creates an NCCL default group, the
+        rank's own GPU `cuda:LOCAL_RANK` (torchrun's variable; `rank % device_count` without
+        it), made current before the group exists, so that several ranks of a node never
+        share GPU 0; else the current CUDA device (NCCL) or the CPU.
         """
         owns_default = False
         if dist.is_available() and dist.is_initialized():
@@ -88,8 +93,13 @@ class ParallelContext:
         topo = plan_topology(world_size, config, expert_parallel_style)
         topo.coords(rank)
         if not dist.is_initialized():
+            chosen = backend or default_backend()
+            if device is None and chosen == "nccl":
+                device = torch.device("cuda", local_cuda_index(rank, torch.cuda.device_count()))
+            if device is not None and device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)
             dist.init_process_group(
-                backend=backend or default_backend(),
+                backend=chosen,
                 init_method=init_method or "env://",
                 rank=rank,
                 world_size=world_size,
@@ -176,6 +186,20 @@ class ParallelContext:
 
     def __exit__(self, *exc: object) -> None:
         self.destroy()
+
+
+def local_cuda_index(rank: int, device_count: int) -> int:
+    """This rank's GPU on its node: LOCAL_RANK when torchrun set it, else `rank %
+    device_count`. Raises `ValueError` naming LOCAL_RANK when it is not below
+    `device_count`."""
+    if device_count < 1:
+        raise ValueError(f"the NCCL backend needs a CUDA device, found {device_count}")
+    if "LOCAL_RANK" not in os.environ:
+        return rank % device_count
+    local = _env_int("LOCAL_RANK")
+    if not 0 <= local < device_count:
+        raise ValueError(f"LOCAL_RANK={local} must be in [0, {device_count}) (CUDA devices)")
+    return local
 
 
 def _env_int(name: str) -> int:
