@@ -343,9 +343,7 @@ def launched_rank(job: GenerateJob) -> dict[str, Any]:
     env = torchrun_env()
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
-    else:
+    if not torch.cuda.is_available():  # on CUDA, `initialize` makes cuda:LOCAL_RANK current
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
     try:
