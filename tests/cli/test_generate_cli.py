@@ -224,3 +224,24 @@ def test_nproc_must_match_torchrun_world(monkeypatch, tmp_path, capsys):
         ["generate", "--prompt", "x", "--ulysses-degree", "4", "--cache-dir", str(tmp_path)]
     )
     assert code == 2 and "the torchrun world has 2 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_one_rank_runs_where_launched_ranks_run(cuda, monkeypatch, tmp_path):
+    """Launched ranks use NCCL on cuda when CUDA is available, so a one-rank run must use the
+    GPU too (else `compare` would set CPU bytes against GPU bytes). The job is recorded, not
+    run: this machine has no GPU."""
+    import torch
+
+    import headmoe.pipeline.job as job_mod
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(job_mod, "run_job", lambda ctx, job: seen.append(ctx.device) or {
+        "output": None})
+    code = main(["generate", "--prompt", "x", "--cache-dir", str(tmp_path), "--output",
+                 str(tmp_path / "o.mp4"), "--no-progress"])
+    assert code == 0 and seen == [torch.device("cuda", 0) if cuda else torch.device("cpu")]

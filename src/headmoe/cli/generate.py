@@ -195,6 +195,8 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``headmoe generate``; returns the exit code."""
+    import torch
+
     from headmoe.distributed.context import ParallelContext
     from headmoe.pipeline.job import launched_rank, run_job
 
@@ -211,7 +213,10 @@ def run(args: argparse.Namespace) -> int:
 
             results = [record(launched_rank)(job)]
         elif world == 1:
-            results = [run_job(ParallelContext.single(job.parallel), job)]
+            ctx = ParallelContext.single(job.parallel)
+            if torch.cuda.is_available():  # where launched ranks run too (NCCL, cuda)
+                ctx.device = torch.device("cuda", torch.cuda.current_device())
+            results = [run_job(ctx, job)]
         else:
             for name in ("torch.distributed.elastic", "torch.multiprocessing"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
