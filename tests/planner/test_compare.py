@@ -4,11 +4,13 @@ two-layout run end to end."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from headmoe.cli.compare import main, run_order
+from headmoe.cli.compare import main, run_order, subprocess_runner
 
 
 def test_runs_are_interleaved():
@@ -86,3 +88,13 @@ def test_compare_end_to_end(tmp_path, capsys):
     (row,) = json.loads(capsys.readouterr().out)["layouts"]
     assert row["layout"] == "sp2" and row["counters_match_plan"] and row["same_as_first"]
     assert len(row["video_sha256"]) == 64 and row["ulysses_bytes_sent_per_rank_per_step"] > 0
+
+
+def test_subprocess_runner_kills_a_run_past_its_timeout():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ran past --run-timeout=0.5 s"):
+        subprocess_runner([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+    assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        subprocess_runner([sys.executable, "-c", "raise SystemExit(3)"], timeout=30)
+    assert main(["--layouts", "sp1", "--prompt", "x", "--run-timeout", "0"]) == 2

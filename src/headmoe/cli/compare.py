@@ -20,6 +20,7 @@ that is not a preset).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -80,6 +81,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help='layout names, e.g. "sp4" "sp4,ep2" "sp2,cfg2" "sp4,ep2,sp_group"',
     )
     p.add_argument("--repeat", type=int, default=1, help="runs per layout, interleaved")
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds one generate run may take before it is killed (default 3600)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument(
         "--output-dir",
@@ -139,9 +146,15 @@ def run_order(num_layouts: int, repeat: int) -> list[tuple[int, int]]:
     return [(k, i) for k in range(repeat) for i in range(num_layouts)]
 
 
-def subprocess_runner(cmd: list[str]) -> None:
-    """Run one `generate` command; raise `RuntimeError` with its output tail on failure."""
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def subprocess_runner(cmd: list[str], timeout: float | None = None) -> None:
+    """Run one `generate` command; raise `RuntimeError` with its output tail on failure, or
+    when it runs longer than `timeout` seconds (it is then killed)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = ((e.stdout or b"") + (e.stderr or b""))[-4000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        raise RuntimeError(f"{' '.join(cmd)} ran past --run-timeout={timeout} s:\n{tail}") from None
     if proc.returncode:
         tail = (proc.stdout + proc.stderr)[-4000:]
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")
@@ -291,9 +304,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
+def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
     """Run `compare` for parsed `args`; returns 0 when every layout produced the first
-    layout's bytes, 1 otherwise, 2 on bad input or a failed run."""
+    layout's bytes, 1 otherwise, 2 on bad input or a failed run. `runner` defaults to
+    `subprocess_runner` bounded by `--run-timeout`."""
+    if not args.run_timeout > 0:
+        print(f"headmoe compare: error: --run-timeout must be > 0, got {args.run_timeout!r}",
+              file=sys.stderr)
+        return 2
+    runner = runner or functools.partial(subprocess_runner, timeout=args.run_timeout)
     flags = generate_flags(args)
     try:
         with tempfile.TemporaryDirectory(prefix="headmoe-compare-") as tmp:
@@ -319,7 +338,7 @@ def run(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
     return 0 if all(r["same_as_first"] for r in rows) else 1
 
 
-def main(argv: Sequence[str] | None = None, runner: Runner = subprocess_runner) -> int:
+def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int:
     """Entry point for tests and `python -m headmoe.cli.compare`."""
     parser = argparse.ArgumentParser(prog="headmoe")
     add_parser(parser.add_subparsers(dest="command", required=True))
