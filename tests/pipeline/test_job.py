@@ -127,3 +127,10 @@ def test_layouts_with_fake_denoiser(tmp_path):
     assert side["seed"] == 1 and side["layout"]["ranks"] == [2, 3]
     assert sorted(side["step_times_s"]["per_rank"]) == ["2", "3"]
     assert side["video_sha256"] == ref[1][0]
+
+
+def test_audio_samples_of_a_clip():
+    assert REQ.audio_samples(44100) == round(13 / 12.5 * 44100) == 45864
+    short = GenerateRequest(prompt="x", num_frames=1, fps=1e6)
+    with pytest.raises(ValueError, match=r"num_frames=1 at fps=1000000.0 lasts 1e-06 s"):
+        short.audio_samples(44100)

@@ -25,7 +25,7 @@ from typing import Any
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.distributed.launch import LaunchFailure, launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
-from headmoe.pipeline.encoders import TinyVideoDecoder
+from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
 from headmoe.pipeline.request import DTYPES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
@@ -177,6 +177,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         model_config, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
         validate_parallel(model_config, parallel)
         TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
+        request.audio_samples(TinyAudioDecoder.sample_rate)
         _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
     except ValueError as exc:
         raise ValueError(flagify(str(exc))) from None

@@ -225,6 +225,7 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
     req, topo, coords = job.request, ctx.topology, ctx.coords
     parts = (job.components or magi2_components)(ctx, job)
     shape = parts.video_decoder.latent_shape(req.num_frames, req.height, req.width)
+    num_samples = req.audio_samples(parts.audio_decoder.sample_rate)
     t_audio = parts.audio_decoder.latent_length(req.duration_s)
     seed = req.seed + coords.dp
     gen = torch.Generator().manual_seed(seed)
@@ -283,9 +284,7 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
     if (coords.tp, coords.sp, coords.cfg) != (0, 0, 0):
         return result
     frames = parts.video_decoder.decode(xv.float().cpu(), req.num_frames)
-    wave = parts.audio_decoder.decode(
-        xa.float().cpu(), round(req.duration_s * parts.audio_decoder.sample_rate)
-    )
+    wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)
     audio = quantize_audio(wave)
     result["video_sha256"], result["audio_sha256"] = tensor_sha256(frames), tensor_sha256(audio)
     if job.output is None:

@@ -63,6 +63,17 @@ class GenerateRequest:
         """num_frames / fps."""
         return self.num_frames / self.fps
 
+    def audio_samples(self, sample_rate: int) -> int:
+        """Audio samples of the clip at `sample_rate` Hz: `round(duration_s * sample_rate)`.
+        Raises `ValueError` naming num_frames and fps when that is 0 (no audio track)."""
+        n = round(self.duration_s * sample_rate)
+        if n < 1:
+            raise ValueError(
+                f"num_frames={self.num_frames} at fps={self.fps!r} lasts {self.duration_s:.3g} s, "
+                f"less than one audio sample at {sample_rate} Hz"
+            )
+        return n
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
