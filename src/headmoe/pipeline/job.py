@@ -133,9 +133,10 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     from headmoe.models.magi2 import Magi2Transformer, load_checkpoint
 
     cfg = job.model_config
-    model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
+    with torch.device(ctx.device):  # allocate the weights where they run, not on the host
+        model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
     load_checkpoint(model, job.checkpoint)
-    model.to(ctx.device).eval()
+    model.eval()
     return Components(
         Magi2Denoiser(model),
         ByteTextEncoder(cfg.text_in_channels),
