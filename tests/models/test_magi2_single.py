@@ -122,9 +122,10 @@ def test_checkpoint_round_trip_file_and_index(tmp_path, tiny_ckpt):
     write_random_checkpoint(TINY, other, seed=4)
     assert not torch.equal(load_file(other)["block.layers.0.attention.linear_qkv.weight"],
                            full["block.layers.0.attention.linear_qkv.weight"])
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, batch_bytes in ((torch.float32, 1 << 30), (torch.bfloat16, 1 << 30),
+                               (torch.bfloat16, 1)):  # 1 byte: one tensor per batch
         model = Magi2Transformer(TINY, dtype=dtype)
-        load_checkpoint(model, index)
+        load_checkpoint(model, index, max_batch_bytes=batch_bytes)
         sd = model.state_dict()
         for k, v in full.items():
             if k.endswith("router.expert_bias"):
@@ -145,12 +146,15 @@ def test_checkpoint_errors_name_the_tensor(tmp_path, small_ckpt):
     }
     names = {"missing": "block.layers.2.attention.sinks", "unexpected": "block.layers.9.extra",
              "mis-shaped": "block.layers.2.mlp.moe_mlp.W_down"}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     for kind, tensors in cases.items():
         path = tmp_path / f"{kind}.safetensors"
         save_file(tensors, path)
         with pytest.raises(ValueError, match=kind) as err:
-            load_checkpoint(model, path)
+            load_checkpoint(model, path, max_batch_bytes=1)
         assert names[kind] in str(err.value)
+        # nothing was loaded: the checks read only the headers, before any batch
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), kind
     bad_index = tmp_path / "bad.safetensors.index.json"
     bad_index.write_text("{}")
     with pytest.raises(ValueError, match="weight_map"):

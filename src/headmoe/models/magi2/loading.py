@@ -118,13 +118,18 @@ def _weight_map(path: str) -> dict[str, str]:
         return dict.fromkeys(f.keys(), path)
 
 
-def load_checkpoint(model: Magi2Transformer, path: str | os.PathLike) -> None:
+def load_checkpoint(
+    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30
+) -> None:
     """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`.
 
     Each rank reads only its MoE rows: rows `[start, stop)` from `moe_row_slice(heads,
     experts, EP, ep_rank)` fill the first local rows, padded heads stay zero. Tensors are
     cast to the parameter's dtype. Raises `ValueError` naming every missing, unexpected or
-    mis-shaped tensor before anything is loaded."""
+    mis-shaped tensor before anything is loaded (names and shapes come from the file
+    headers). Tensors are then read and copied into the model in batches of about
+    `max_batch_bytes`, so the host holds one batch, not a rank's whole state; the router
+    biases go last, in one batch, so that `bias_from_ema` sees both of each layer."""
     path = os.fspath(path)
     cfg, ctx = model.config, model.context
     spec = checkpoint_spec(cfg)
@@ -141,27 +146,44 @@ def load_checkpoint(model: Magi2Transformer, path: str | os.PathLike) -> None:
     by_file: dict[str, list[str]] = {}
     for name in spec:
         by_file.setdefault(where[name], []).append(name)
-    start, stop, _ = moe_row_slice(
-        cfg.moe_num_heads, cfg.moe_num_experts, ctx.topology.expert_parallel_size, ctx.coords.ep
-    )
-    local = model.state_dict()
-    state: dict[str, torch.Tensor] = {}
     bad = []
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
+                shape = tuple(f.get_slice(name).get_shape())
                 if shape != spec[name][0]:
                     bad.append(f"{name} has shape {list(shape)}, expected {list(spec[name][0])}")
-                    continue
-                target = local[name]
-                if MOE_MARKER in name:
-                    rows = torch.zeros(target.shape, dtype=target.dtype)
-                    rows[: stop - start] = sl[start:stop].to(target.dtype)
-                    state[name] = rows
-                else:
-                    state[name] = f.get_tensor(name).to(target.dtype)
     if bad:
         raise ValueError(f"checkpoint {path!r}: mis-shaped tensors: " + "; ".join(bad))
-    model.load_state_dict(state, strict=True)
+    start, stop, _ = moe_row_slice(
+        cfg.moe_num_heads, cfg.moe_num_experts, ctx.topology.expert_parallel_size, ctx.coords.ep
+    )
+    local = model.state_dict()
+    batch: dict[str, torch.Tensor] = {}
+    biases: dict[str, torch.Tensor] = {}
+
+    def flush(tensors: dict[str, torch.Tensor]) -> None:
+        result = model.load_state_dict(tensors, strict=False)
+        assert not result.unexpected_keys, result.unexpected_keys  # names checked above
+        tensors.clear()
+
+    held = 0
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                target = local[name]
+                if MOE_MARKER in name:
+                    tensor = torch.zeros(target.shape, dtype=target.dtype)
+                    tensor[: stop - start] = f.get_slice(name)[start:stop].to(target.dtype)
+                else:
+                    tensor = f.get_tensor(name).to(target.dtype)
+                if "router.expert_bias" in name:
+                    biases[name] = tensor
+                    continue
+                batch[name] = tensor
+                held += tensor.numel() * tensor.element_size()
+                if held >= max_batch_bytes:
+                    flush(batch)
+                    held = 0
+    flush(batch)
+    flush(biases)
