@@ -99,7 +99,7 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
         "a2a peers Uly/MoE",
         "expert GiB/rank",
         "weights GiB/rank",
-        "",
+        "pick",
     )
     rows = [head, tuple("---" for _ in head)]
     autos = {
