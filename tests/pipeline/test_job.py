@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import headmoe.pipeline.job as job_module
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.pipeline.encoders import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
@@ -134,3 +135,23 @@ def test_audio_samples_of_a_clip():
     short = GenerateRequest(prompt="x", num_frames=1, fps=1e6)
     with pytest.raises(ValueError, match=r"num_frames=1 at fps=1000000.0 lasts 1e-06 s"):
         short.audio_samples(44100)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), True, "60"])
+def test_job_rejects_bad_timeout(timeout):
+    with pytest.raises(ValueError, match=f"timeout_s must be a positive finite .* got {timeout!r}"):
+        GenerateJob(REQ, ParallelConfig(), None, "", None, timeout_s=timeout)
+
+
+def test_failed_sidecar_leaves_no_outputs(tmp_path, monkeypatch):
+    out = tmp_path / "x.mp4"
+    run_job(ParallelContext.single(), _job(output=str(out)))  # an earlier run's two files
+    assert out.exists() and out.with_suffix(".json").exists()
+
+    def broken(path, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(job_module, "write_sidecar", broken)
+    with pytest.raises(OSError, match="disk full"):
+        run_job(ParallelContext.single(), _job(output=str(out)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 import uuid
@@ -108,6 +109,11 @@ class GenerateJob:
     components: Callable[[ParallelContext, GenerateJob], Components] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts recorded in the sidecar (for example the launch command)."""
+
+    def __post_init__(self) -> None:
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
+            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
 
 
 # ---------------------------------------------------------------------- the MAGI-2 parts
@@ -328,7 +334,9 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
     try:
         write_sidecar(sidecar_path(out), side)
     except BaseException:
+        # neither file of this run stays, nor an older sidecar that no longer matches
         out.unlink()
+        sidecar_path(out).unlink(missing_ok=True)
         raise
     result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
     return result
