@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from headmoe.layers.activations import sigmoid, swiglu7
+from headmoe.layers.activations import sigmoid, sigmoid_, swiglu7, swiglu7_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -32,3 +32,20 @@ def test_swiglu7_formula():
             expect = g / (1 + torch.exp(torch.tensor(-1.702 * g)).item()) * (u + 1)
             assert out[r, j].item() == pytest.approx(expect, rel=1e-6)
     assert swiglu7(h.bfloat16()).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_forms_give_the_same_bits(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5003, generator=g) * 6).to(dtype)
+    assert torch.equal(sigmoid_(x.clone()), sigmoid(x))
+    assert torch.equal(sigmoid(x), 1.0 / (1.0 + torch.exp(-x)))
+    h = (torch.randn(37, 128, generator=g) * 5).to(dtype)
+    kept = h.clone()
+    out = swiglu7(h)
+    assert torch.equal(h, kept)  # the fused form leaves its input alone
+    gate, up = h.float().chunk(2, dim=-1)
+    assert torch.equal(swiglu7_(gate.clone(), up.clone()), out)
+    assert torch.equal(
+        out, gate.clamp(max=7.0) * sigmoid(1.702 * gate.clamp(max=7.0)) * (up.clamp(-7, 7) + 1)
+    )

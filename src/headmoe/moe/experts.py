@@ -18,24 +18,12 @@ import bisect
 
 import torch
 
+from headmoe.layers.activations import swiglu7_
 from headmoe.layers.matmul import MIN_ROWS, bi_matmul
-from headmoe.moe.kernels import aligned, exact_sigmoid_, grouped_mm, pad_features
+from headmoe.moe.kernels import aligned, grouped_mm, pad_features
 
-#: SwiGLU7 clamp limit and sigmoid gain (MAGI2.md section 2)
-SWIGLU_LIMIT = 7.0
-SWIGLU_ALPHA = 1.702
 #: the fast path runs its GEMMs and activation over chunks of about this many activations
 CHUNK_ELEMENTS = 1 << 20
-
-
-def swiglu7_(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """`min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)`, elementwise, computed
-    in place in g (u is clobbered too; in place keeps big activations out of fresh memory).
-
-    g, u: the fp32 gate and up projections `[M, d_expert]`; returns g."""
-    g.clamp_(max=SWIGLU_LIMIT)
-    s = exact_sigmoid_(g * SWIGLU_ALPHA)
-    return g.mul_(s).mul_(u.clamp_(-SWIGLU_LIMIT, SWIGLU_LIMIT).add_(1))
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

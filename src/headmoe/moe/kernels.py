@@ -1,7 +1,8 @@
 """Batch-invariant building blocks of the MoE compute (CPU measurements in docs/moe.md).
 
-- `exact_sigmoid_`: `torch.sigmoid` gives different bits in its vectorised body and its
-  scalar tail, so an element's bits would depend on its position in the batch.
+- Sigmoids use `headmoe.layers.activations.sigmoid_`: `torch.sigmoid` gives different bits
+  in its vectorised body and its scalar tail, so an element's bits would depend on its
+  position in the batch.
 - `aligned`: MKL's fp32 GEMM gives a row different bits depending on the 64-byte alignment
   of its address when rows are not a multiple of 64 bytes long (measured: K=10), and a row's
   address moves with the batch. Feature dims are zero-padded to multiples of `ALIGN` fp32
@@ -17,13 +18,6 @@ import torch.nn.functional as F
 
 #: feature dims of GEMM operands are padded to multiples of this many fp32 elements (64 B)
 ALIGN = 16
-
-
-def exact_sigmoid_(x: torch.Tensor) -> torch.Tensor:
-    """`1 / (1 + exp(-x))` elementwise, in place in x (any shape, float dtype); returns x.
-    Batch-invariant because negation, `exp`, `+` and the reciprocal agree bit for bit in
-    torch's vector and scalar loops."""
-    return x.neg_().exp_().add_(1).reciprocal_()
 
 
 def aligned(n: int) -> int:

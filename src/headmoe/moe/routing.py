@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from headmoe.layers.activations import sigmoid_
 from headmoe.layers.matmul import bi_bmm
-from headmoe.moe.kernels import exact_sigmoid_, pad_features
+from headmoe.moe.kernels import pad_features
 
 #: eps of the L1 normalisation of the route weights
 ROUTE_EPS = 1e-12
@@ -35,7 +36,7 @@ def route(
     e = gate.shape[0] // h
     a = pad_features(z.float()).transpose(0, 1)  # [h, N, d'], rows 64-byte aligned
     b = pad_features(gate.view(h, e, d), dims=2).transpose(1, 2)  # [h, d', E']
-    scores = exact_sigmoid_(bi_bmm(a, b)[..., :e].transpose(0, 1))  # [N, h, E]
+    scores = sigmoid_(bi_bmm(a, b)[..., :e].transpose(0, 1))  # [N, h, E]
     selection = scores + expert_bias.view(h, e)
     order = torch.sort(selection, dim=-1, descending=True, stable=True).indices
     experts = order[..., :top_k].sort(dim=-1).values
