@@ -6,7 +6,10 @@ Measured with torch 2.13 (MKL) on our CPU machines: an fp32 `A[:M] @ W` differs 
 from the first M rows of a larger product for M in {1, 2, 3} with one thread and
 {1, 2, 3, 5, 6, 7, 9, 10, 11} with two, and matches for every M >= 12 tried (up to 3000,
 at any row offset); bf16 matched everywhere. Small row counts therefore get padded with
-zero rows to `MIN_ROWS`, which takes the same kernel path as large batches. Every
+zero rows to `MIN_ROWS`, which takes the same kernel path as large batches. MKL also gave
+a row different fp32 bits depending on its 64-byte alignment when rows are not a multiple
+of 64 bytes long (measured with K = 10, see `headmoe.moe.kernels`): every K that headmoe's
+models feed here is a multiple of 16 fp32 values, so row slices stay aligned. Every
 layout-dependent matmul in headmoe goes through these helpers; tests/layers/test_matmul.py
 checks the property on the machine that runs the tests.
 """
