@@ -27,8 +27,9 @@ def test_swiglu7_formula():
     out = swiglu7(h)
     for r in range(2):
         for j in range(2):
-            g = min(h[r, j].item(), 7.0)
-            u = max(min(h[r, 2 + j].item(), 7.0), -7.0)
+            # fused layout: gate = even columns, up = odd columns (MAGI2.md section 3)
+            g = min(h[r, 2 * j].item(), 7.0)
+            u = max(min(h[r, 2 * j + 1].item(), 7.0), -7.0)
             expect = g / (1 + torch.exp(torch.tensor(-1.702 * g)).item()) * (u + 1)
             assert out[r, j].item() == pytest.approx(expect, rel=1e-6)
     assert swiglu7(h.bfloat16()).dtype == torch.float32
@@ -44,7 +45,7 @@ def test_in_place_forms_give_the_same_bits(dtype):
     kept = h.clone()
     out = swiglu7(h)
     assert torch.equal(h, kept)  # the fused form leaves its input alone
-    gate, up = h.float().chunk(2, dim=-1)
+    gate, up = h.float()[:, 0::2], h.float()[:, 1::2]  # even = gate, odd = up
     assert torch.equal(swiglu7_(gate.clone(), up.clone()), out)
     assert torch.equal(
         out, gate.clamp(max=7.0) * sigmoid(1.702 * gate.clamp(max=7.0)) * (up.clamp(-7, 7) + 1)

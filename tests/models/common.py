@@ -26,5 +26,5 @@ def make_request(
 
 
 #: test-only smaller variant (dense 0, MoE 1 and 2) for checks that build many models
-SMALL = get_config("tiny", num_layers=3, dense_layers=(0,), text_in_channels=64,
-                   dense_intermediate_size=128)
+SMALL = get_config("tiny", num_layers=3, multimodal_layers=(0,), text_in_channels=64,
+                   intermediate_factor=0.5)

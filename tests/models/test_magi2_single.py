@@ -14,10 +14,11 @@ from headmoe.models.magi2 import (
     Magi2Transformer,
     get_config,
     load_checkpoint,
+    pack_branches,
     sp_token_counts,
+    time_sinusoid,
     write_random_checkpoint,
 )
-from headmoe.models.magi2.model import branch_coords, time_embedding
 from tests.models.common import SMALL, make_request
 
 TINY = get_config("tiny")
@@ -43,17 +44,22 @@ def test_sp_token_counts_balanced_contiguous():
     assert sp_token_counts(8, 1) == (8,)
 
 
-def test_time_embedding_and_coords():
-    e = time_embedding(0.5, 64)
+def test_time_sinusoid_and_coords():
+    e = time_sinusoid(torch.tensor([500.0]), 64)[0]
     assert e.shape == (64,) and e.dtype == torch.float32
-    assert e[0].item() == pytest.approx(math.cos(500.0), abs=1e-6)
-    assert e[32 + 1].item() == pytest.approx(math.sin(500.0 * 10000 ** (-1 / 32)), abs=1e-6)
+    assert e[0].item() == pytest.approx(math.cos(500.0), abs=1e-4)
+    assert e[32 + 1].item() == pytest.approx(math.sin(500.0 * 10000 ** (-1 / 32)), abs=1e-4)
     br = make_request(TINY, 0, (2, 2, 3), 4, (2,))[0]
-    c = branch_coords(br)
-    assert c.shape == (12 + 4 + 2, 3)
-    assert c[:12].tolist()[7] == [1.0, 0.0, 1.0]  # row-major (t, h, w)
-    assert c[12:16, 0].tolist() == [0.0, 0.5, 1.0, 1.5] and c[12:, 1:].abs().sum() == 0
-    assert c[16:].abs().sum() == 0
+    p = pack_branches([br], TINY)
+    c = p.coords
+    assert c.shape == (12 + 4 + 2, 9) and p.x.shape == (18, TINY.max_in_channels)
+    assert c[7].tolist() == [1, 0, 1, 2, 2, 3, 2, 2, 3]  # row-major (t, h, w), grid = ref
+    assert c[12:16, 0].tolist() == [0, 1, 2, 3] and c[12, 3:].tolist() == [4, 1, 1, 1, 1, 1]
+    assert c[16:, 0].tolist() == [-2, -1] and c[16, 3:].tolist() == [2, 1, 1, 1, 1, 1]
+    assert p.modality.tolist() == [0] * 12 + [1] * 4 + [2] * 2
+    assert p.cu_seqlens.tolist() == [0, 18]
+    assert torch.equal(p.time_tokens[0], time_sinusoid(torch.tensor([800.0]))[0])
+    assert torch.equal(p.time_tokens[-1], time_sinusoid(torch.tensor([0.0]))[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

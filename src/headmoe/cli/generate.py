@@ -76,7 +76,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--model-config",
         default=None,
-        help="preset of a checkpoint path without a config.json next to it",
+        help="model config of a checkpoint: a preset (tiny, magi2-preview) or a JSON file in "
+        "the public MAGI-2 config schema; default: the config.json next to the checkpoint",
     )
     p.add_argument(
         "--cache-dir",
@@ -139,7 +140,7 @@ def register(subparsers: Any) -> None:
 def build_job(args: argparse.Namespace) -> tuple[Any, int]:
     """Validate every flag and build the `GenerateJob` and the world size (pure checks plus
     writing the tiny checkpoint once). Raises `ValueError` with flag names."""
-    from headmoe.models.magi2 import validate_parallel
+    from headmoe.models.magi2 import check_checkpoint, validate_parallel
     from headmoe.pipeline.job import GenerateJob, resolve_model
 
     try:
@@ -179,6 +180,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
         request.audio_samples(TinyAudioDecoder.sample_rate)
         _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
+        check_checkpoint(model_config, checkpoint)  # headers only, before any rank starts
     except ValueError as exc:
         raise ValueError(flagify(str(exc))) from None
     job = GenerateJob(

@@ -43,9 +43,12 @@ def swiglu7_(
 def swiglu7(
     h: torch.Tensor, limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA
 ) -> torch.Tensor:
-    """MAGI-2's clamped SwiGLU on a fused `[..., 2 * I]` projection (gate half first).
+    """MAGI-2's clamped SwiGLU on a fused `[..., 2 * I]` projection: the gate is the **even**
+    columns, "up" the **odd** ones (MAGI2.md section 3; the released fused projections
+    interleave them).
 
     Returns `[..., I]` fp32 (the activation is computed in fp32 whatever the input dtype);
     h itself is not modified."""
-    gate, up = h.to(torch.float32, copy=True).chunk(2, dim=-1)
+    h = h.to(torch.float32)
+    gate, up = h[..., 0::2].contiguous(), h[..., 1::2].contiguous()
     return swiglu7_(gate, up, limit, alpha)

@@ -21,8 +21,11 @@ def sink_attention(
     """Full (non-causal) attention of one segment with sink logits.
 
     q, k, v: `[L, h, D]` (fp32 or bf16, same dtype); sinks: `[h]` fp32 sink logits of these
-    heads; returns `[L, h, D]` in q's dtype.
+    heads; returns `[L, h, D]` in q's dtype. Scores, softmax and the weighted sum are
+    computed in fp32 (bf16 inputs are widened exactly).
     """
+    dtype = q.dtype
+    q, k, v = q.float(), k.float(), v.float()
     length, h, d = q.shape
     zeros = k.new_zeros((h, 1, d))
     qh = q.transpose(0, 1).unsqueeze(0).contiguous()
@@ -31,7 +34,7 @@ def sink_attention(
     mask = torch.zeros((1, h, 1, length + 1), dtype=torch.float32, device=q.device)
     mask[0, :, 0, -1] = sinks.float()
     out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)
+    return out[0].transpose(0, 1).to(dtype)
 
 
 def segment_attention(

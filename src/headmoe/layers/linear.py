@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headmoe.layers.matmul import bi_linear
+
+#: reduction dims are padded to a multiple of this many values (16 fp32 = 64 bytes)
+ALIGN = 16
 
 
 class Linear(nn.Module):
@@ -21,8 +25,16 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=torch.float32)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[..., in]` -> fp32 `[..., out]`; each row independent of the others."""
-        y = bi_linear(x.to(self.weight.dtype), self.weight).float()
+        """x `[..., in]` -> fp32 `[..., out]`; each row independent of the others.
+
+        An `in` that is not a multiple of `ALIGN` values is zero-padded on both operands
+        (same result; keeps every row of x 64-byte aligned, see `headmoe.layers.matmul`)."""
+        w = self.weight
+        x = x.to(w.dtype)
+        if w.shape[1] % ALIGN:
+            pad = ALIGN - w.shape[1] % ALIGN
+            x, w = F.pad(x, (0, pad)), F.pad(w, (0, pad))
+        y = bi_linear(x, w).float()
         return y if self.bias is None else y + self.bias
 
 
@@ -42,7 +54,9 @@ class ModalityLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, groups: list[torch.Tensor]) -> torch.Tensor:
         """x `[T, in]`; `groups[m]` the int64 row indices of modality m (together a partition
-        of the rows) -> fp32 `[T, out]`."""
+        of the rows) -> fp32 `[T, out]`. With one modality, `groups` is ignored."""
+        if self.num_modalities == 1:
+            return bi_linear(x.to(self.weight.dtype), self.weight).float()
         w = self.weight.view(self.num_modalities, self.out_features, -1)
         out = x.new_zeros((x.shape[0], self.out_features), dtype=torch.float32)
         for m, rows in enumerate(groups):

@@ -31,7 +31,8 @@ class RMSNorm(nn.Module):
 
 
 class ModalityRMSNorm(nn.Module):
-    """One RMSNorm per modality; `weight` `[num_modalities * dim]` fp32, modality-major."""
+    """One RMSNorm per modality; `weight` `[num_modalities * dim]` fp32, modality-major.
+    With one modality it is a plain RMSNorm (weight `[dim]`)."""
 
     def __init__(self, num_modalities: int, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -39,7 +40,10 @@ class ModalityRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_modalities * dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, modality: torch.Tensor) -> torch.Tensor:
-        """x `[T, dim]`, modality `[T]` int64 ids -> fp32 `[T, dim]` (row t uses the weight
-        of `modality[t]`)."""
+        """x `[T, ..., dim]`, modality `[T]` int64 ids -> fp32 `[T, ..., dim]` (row t uses
+        the weight of `modality[t]`; with one modality every row uses the same weight)."""
+        if self.num_modalities == 1:
+            return rms_norm(x, self.weight, self.eps)
         w = self.weight.view(self.num_modalities, self.dim)[modality]
+        w = w.view(w.shape[0], *([1] * (x.dim() - 2)), self.dim)
         return rms_norm(x, w, self.eps)

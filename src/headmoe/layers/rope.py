@@ -1,10 +1,13 @@
-"""3-D rotary position embedding from per-token (t, h, w) coordinates.
+"""3-D rotary position embedding of MAGI-2 (MAGI2.md section 3.1).
 
-Each axis gets `bands` frequencies `theta^(-j / bands)`, j = 0..bands-1; the 3 * bands
-angles (axis-major: t bands, h bands, w bands) rotate the first 6 * bands dims of a head
-with the rotate-half convention (dim i pairs with dim i + 3 * bands); the remaining dims
-pass through. Tables are computed in float64 on the host and rounded once to fp32, so a
-token's angles depend only on its coordinates.
+Each token carries 9 coordinates (t, h, w, T, H, W, rT, rH, rW): its position, the size of
+its grid and the reference size. Per axis a: scale_a = (ref_a - 1) / (size_a - 1) (1 where
+ref_a = size_a = 1), centre_a = (size_a - 1) / 2 for h and w and 0 for t, and the angle of
+band j is p[a, j] = (coord_a - centre_a) * scale_a * bands[j]. The table is
+`[sin p | cos p]`, each flattened axis-major (t bands, h bands, w bands), all in fp32 (the
+release's arithmetic: the golden `trace.rope` is reproduced bit for bit). The 3B angles
+rotate the first 6B dims of a head, non-interleaved (dim i pairs with dim i + 3B); the rest
+pass through. A row's table depends only on its own coordinates.
 """
 
 from __future__ import annotations
@@ -12,15 +15,28 @@ from __future__ import annotations
 import torch
 
 
-def rope_tables(
-    coords: torch.Tensor, bands: int, theta: float = 10000.0,
-    axis_scales: tuple[float, float, float] = (1.0, 1.0, 1.0),
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """coords `[T, 3]` float64 (t, h, w) -> (cos, sin), each fp32 `[T, 3 * bands]`."""
-    freqs = theta ** (-torch.arange(bands, dtype=torch.float64) / bands)
-    scaled = coords.double() * torch.tensor(axis_scales, dtype=torch.float64)
-    angles = (scaled[:, :, None] * freqs).reshape(coords.shape[0], 3 * bands)
-    return angles.cos().float(), angles.sin().float()
+def default_bands(bands: int, theta: float = 10000.0) -> torch.Tensor:
+    """`[bands]` fp32: theta^(-j / bands) (the checkpoint's `pre_adapter.rope.bands`)."""
+    return (theta ** (-torch.arange(bands, dtype=torch.float64) / bands)).float()
+
+
+def rope_table(coords: torch.Tensor, bands: torch.Tensor) -> torch.Tensor:
+    """coords `[T, 9]` fp32, bands `[B]` fp32 -> `[T, 6B]` fp32 `[sin p | cos p]`."""
+    c = coords.float()
+    pos, size, ref = c[:, 0:3], c[:, 3:6], c[:, 6:9]
+    unit = (size == 1) & (ref == 1)
+    scale = torch.where(unit, torch.ones_like(size), (ref - 1) / torch.where(unit, 1, size - 1))
+    centre = torch.zeros_like(size)
+    centre[:, 1:] = (size[:, 1:] - 1) / 2
+    b = bands.float().to(c.device)
+    p = (((pos - centre) * scale)[:, :, None] * b).reshape(len(c), 3 * b.numel())
+    return torch.cat([p.sin(), p.cos()], dim=-1)
+
+
+def split_table(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, 6B]` `[sin | cos]` -> (cos, sin), each `[T, 3B]` (contiguous)."""
+    half = table.shape[1] // 2
+    return table[:, half:].contiguous(), table[:, :half].contiguous()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

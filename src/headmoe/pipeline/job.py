@@ -202,16 +202,21 @@ def resolve_model(
             f"got {model!r}"
         )
     if model_config is not None:
-        return get_config(model_config), str(path)
+        if model_config in PRESETS:
+            return get_config(model_config), str(path)
+        if not Path(model_config).expanduser().is_file():
+            raise ValueError(
+                f"model_config={model_config!r} is neither a preset "
+                f"({', '.join(sorted(PRESETS))}) nor a JSON file"
+            )
+        return Magi2Config.from_json(Path(model_config).expanduser()), str(path)
     cfg_file = path.parent / "config.json"
     if not cfg_file.is_file():
         raise ValueError(
             f"model={model!r} has no config.json next to it; set model_config to a preset "
-            f"({', '.join(sorted(PRESETS))})"
+            f"({', '.join(sorted(PRESETS))}) or a model config JSON file"
         )
-    raw = json.loads(cfg_file.read_text())
-    cfg = Magi2Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
-    return cfg, str(path)
+    return Magi2Config.from_json(cfg_file), str(path)
 
 
 def output_path(output: str | os.PathLike, dp_index: int, dp_size: int) -> Path:

@@ -117,7 +117,7 @@ def forward_counters(model: Magi2Config, request: RequestShape, parallel: Parall
             rec = _all_to_all(sp_layout, heads, width, nbytes, to_heads)
             if rec:
                 out.record_exchange(kind, *rec)
-        if layer in model.dense_layers:
+        if layer in model.multimodal_layers:
             continue
         out.record_moe_rows(moe.rows)
         for kind, to_heads in (("moe_scatter", True), ("moe_gather", False)):

@@ -1,4 +1,4 @@
-"""MAGI-2 transformer (headmoe.models.magi2): configs, model, checkpoint loading."""
+"""MAGI-2 transformer (headmoe.models.magi2): configs, packing, model, checkpoint loading."""
 
 from headmoe.models.magi2.config import (
     MODALITIES,
@@ -8,15 +8,22 @@ from headmoe.models.magi2.config import (
     validate_parallel,
 )
 from headmoe.models.magi2.loading import (
+    LoadReport,
+    check_checkpoint,
     checkpoint_spec,
     load_checkpoint,
+    parameter_count,
     write_random_checkpoint,
 )
-from headmoe.models.magi2.model import (
+from headmoe.models.magi2.model import Magi2Transformer, sp_token_counts
+from headmoe.models.magi2.packing import (
     BranchInput,
     BranchOutput,
-    Magi2Transformer,
-    sp_token_counts,
+    PackedInputs,
+    modality_order,
+    pack_branches,
+    time_sinusoid,
+    unpack_outputs,
 )
 
 __all__ = [
@@ -24,12 +31,20 @@ __all__ = [
     "PRESETS",
     "BranchInput",
     "BranchOutput",
+    "LoadReport",
     "Magi2Config",
     "Magi2Transformer",
+    "PackedInputs",
+    "check_checkpoint",
     "checkpoint_spec",
     "get_config",
     "load_checkpoint",
+    "modality_order",
+    "pack_branches",
+    "parameter_count",
     "sp_token_counts",
+    "time_sinusoid",
+    "unpack_outputs",
     "validate_parallel",
     "write_random_checkpoint",
 ]

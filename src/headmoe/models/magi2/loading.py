@@ -1,54 +1,247 @@
-"""Checkpoints by MAGI-2's tensor names: random writer and per-rank loader (safetensors).
+"""MAGI-2 checkpoints under the released tensor names: checks, per-rank streaming loader,
+random writer (safetensors only).
 
-A checkpoint holds the full, unsharded tensors under the names of `Magi2Transformer`'s
-state dict (MAGI-2's names, see docs/model.md): linears and experts in bf16, everything
-else in fp32, as MAGI-2 releases them. Loading reads, on each rank, only what the rank
-holds: for MoE expert tensors (`...mlp.moe_mlp.*`) the rows of its EP shard's heads
-(`moe_row_slice`), read with `safe_open(...).get_slice(name)[start:stop]`; padded heads
-stay zero.
+A checkpoint holds the full, unsharded tensors of the released transformer (MAGI2.md
+section 4; ../shared/golden/magi2/preview_tensors.tsv for MAGI-2 Preview): linears and
+experts in `params_dtype`, everything else in fp32. Names may all carry a `transformer.`
+prefix (a mix of prefixed and bare names is refused). Loading first checks every header
+(names, shapes, dtypes; index files and their shard paths) and refuses the checkpoint
+before any tensor is read, naming each problem. Float tensors in another float dtype than
+the model's parameter are cast to the parameter's dtype (as the release's own loader does
+when it loads into a model of another dtype) and reported in the returned `LoadReport`;
+integer and bool tensors are refused. Each rank then reads only what it holds: for the
+MoE expert tensors (`...mlp.moe_mlp.*`) the rows of its EP shard's heads
+(`read_moe_rows`), streamed into the model in batches of bounded host memory.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from headmoe.layers.rope import default_bands
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.models.magi2.model import Magi2Transformer
-from headmoe.moe import moe_row_slice
+from headmoe.moe import read_moe_rows
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MOE_MARKER = ".mlp.moe_mlp."
+PREFIX = "transformer."
+#: problems listed per kind in an error message before "... and N more"
+MAX_LISTED = 12
+#: safetensors header dtype names of the float types a checkpoint may use
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in FLOAT_DTYPES.items()}
 
 
 def checkpoint_spec(config: Magi2Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor of a full checkpoint: name -> (shape, dtype), in the model's order.
-
-    Built from a one-rank bf16 model on the meta device (no allocation)."""
+    """Every tensor of a full released checkpoint: name -> (shape, dtype), in the model's
+    order (linears and experts in `config.params_dtype`, the rest fp32). Built from a
+    one-rank model on the meta device (no allocation)."""
     with torch.device("meta"):
-        model = Magi2Transformer(config, dtype=torch.bfloat16)
+        model = Magi2Transformer(config, dtype=config.torch_params_dtype)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
+def parameter_count(config: Magi2Config) -> int:
+    """Values in a full checkpoint of `config` (113,934,953,536 for `magi2-preview`)."""
+    return sum(torch.Size(s).numel() for s, _ in checkpoint_spec(config).values())
+
+
+@dataclass
+class LoadReport:
+    """What `load_checkpoint` did besides loading: `converted` lists `(name, stored dtype,
+    parameter dtype)` of float tensors cast on load; `prefix` is the name prefix found."""
+
+    prefix: str = ""
+    converted: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- headers
+def _listing(kind: str, items: list[str]) -> str:
+    shown = "; ".join(items[:MAX_LISTED])
+    more = f" ... and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
+    return f"{len(items)} {kind}: {shown}{more}"
+
+
+def _index_map(path: str) -> dict[str, str]:
+    """name -> shard file of a `*.safetensors.index.json`; every shard must be a relative
+    name that resolves (after links) inside the index's folder and exists."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint index {path!r} is not a readable JSON file: {e}") from None
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+    ):
+        raise ValueError(f"checkpoint index {path!r} needs a 'weight_map' object of strings")
+    base = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    out = {}
+    for shard in sorted(set(wmap.values())):
+        full = os.path.realpath(os.path.join(base, shard))
+        if os.path.isabs(shard) or os.path.commonpath([base, full]) != base:
+            raise ValueError(
+                f"checkpoint index {path!r}: shard {shard!r} lies outside the index's folder "
+                f"{base!r}; shards must be files in that folder"
+            )
+        if not os.path.isfile(full):
+            raise ValueError(f"checkpoint index {path!r}: shard file {full!r} is missing")
+        out[shard] = full
+    return {name: out[shard] for name, shard in wmap.items()}
+
+
+def _headers(path: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """stored name -> (file, shape, safetensors dtype) from the file headers only."""
+    where = _index_map(path) if path.endswith(INDEX_SUFFIX) else None
+    files = sorted(set(where.values())) if where is not None else [path]
+    out = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                names = f.keys()  # safe_open handles are not iterable
+                for name in names:
+                    part = f.get_slice(name)
+                    out[name] = (file, tuple(part.get_shape()), part.get_dtype())
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file: "
+                             f"{e}") from None
+    if where is not None:
+        missing = sorted(n for n, f in where.items() if out.get(n, (f,))[0] != f)
+        if missing:
+            raise ValueError(f"checkpoint index {path!r}: " + _listing(
+                "tensors not found in their shard", missing))
+    return out
+
+
+def _strip_prefix(path: str, headers: dict) -> tuple[str, dict]:
+    prefixed = [n for n in headers if n.startswith(PREFIX)]
+    if not prefixed:
+        return "", headers
+    if len(prefixed) != len(headers):
+        bare = sorted(n for n in headers if not n.startswith(PREFIX))
+        raise ValueError(f"checkpoint {path!r} mixes names with and without the "
+                         f"{PREFIX!r} prefix; " + _listing("bare names", bare))
+    return PREFIX, {n[len(PREFIX):]: v for n, v in headers.items()}
+
+
+def check_checkpoint(
+    config: Magi2Config, path: str | os.PathLike, param_dtype: torch.dtype | None = None
+) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
+    """Check a checkpoint's headers against `config` without reading any tensor
+    (`param_dtype`: the model dtype the tensors will be cast to; None: the config's).
+
+    Returns (model name -> (file, shape, stored dtype), report). Raises `ValueError` naming
+    every missing, unexpected, mis-shaped and non-float tensor (expected shape and dtype,
+    found), or the unreadable file."""
+    path = os.fspath(path)
+    spec = checkpoint_spec(config)
+    prefix, headers = _strip_prefix(path, _headers(path))
+    report = LoadReport(prefix=prefix)
+    problems = []
+    missing = [n for n in spec if n not in headers]
+    if missing:
+        problems.append(_listing("missing tensors", missing))
+    unexpected = sorted(prefix + n for n in headers if n not in spec)
+    if unexpected:
+        problems.append(_listing("unexpected tensors", unexpected))
+    bad_shape, bad_dtype = [], []
+    for name, (shape, dtype) in spec.items():
+        if name not in headers:
+            continue
+        _, found, stored = headers[name]
+        want = f"{list(shape)} {_DTYPE_NAMES[dtype]}"
+        if found != shape:
+            bad_shape.append(f"{prefix + name} expected {want}, found {list(found)} {stored}")
+        elif stored not in FLOAT_DTYPES:
+            bad_dtype.append(f"{prefix + name} expected {want}, found {stored}")
+        else:
+            target = dtype if dtype == torch.float32 or param_dtype is None else param_dtype
+            if FLOAT_DTYPES[stored] != target:
+                report.converted.append((prefix + name, stored, _DTYPE_NAMES[target]))
+    if bad_shape:
+        problems.append(_listing("mis-shaped tensors", bad_shape))
+    if bad_dtype:
+        problems.append(_listing("tensors of a non-float dtype", bad_dtype))
+    if problems:
+        raise ValueError(f"checkpoint {path!r} does not match model config "
+                         f"{config.name!r}: " + "; ".join(problems))
+    return headers, report
+
+
+# ---------------------------------------------------------------------- loading
+def load_checkpoint(
+    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30
+) -> LoadReport:
+    """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`.
+
+    Checks every header first (`check_checkpoint`); then each rank reads only its MoE rows
+    (`read_moe_rows`: its EP shard's heads, padded heads stay zero) and the full other
+    tensors, cast to the parameter's dtype, copied into the model in batches of about
+    `max_batch_bytes` (the host holds one batch, not a rank's state). The router biases go
+    last, in one batch, so that `bias_from_ema` sees both of each layer."""
+    path = os.fspath(path)
+    cfg, ctx = model.config, model.context
+    headers, report = check_checkpoint(cfg, path, model.dtype)
+    local = model.state_dict()
+    ep, ep_rank = ctx.topology.expert_parallel_size, ctx.coords.ep
+    by_file: dict[str, list[str]] = {}
+    for name in local:
+        by_file.setdefault(headers[name][0], []).append(name)
+    batch: dict[str, torch.Tensor] = {}
+    biases: dict[str, torch.Tensor] = {}
+    held = 0
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                stored = report.prefix + name
+                if MOE_MARKER in name:
+                    tensor = read_moe_rows(f, stored, cfg.moe_num_heads, cfg.moe_num_experts,
+                                           ep, ep_rank)
+                else:
+                    tensor = f.get_tensor(stored)
+                tensor = tensor.to(local[name].dtype)
+                if "router.expert_bias" in name:
+                    biases[name] = tensor
+                    continue
+                batch[name] = tensor
+                held += tensor.numel() * tensor.element_size()
+                if held >= max_batch_bytes:
+                    _flush(model, batch)
+                    held = 0
+    _flush(model, batch)
+    _flush(model, biases)
+    return report
+
+
+def _flush(model: Magi2Transformer, tensors: dict[str, torch.Tensor]) -> None:
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys  # names checked above
+    tensors.clear()
+
+
+# ---------------------------------------------------------------------- random weights
 def _random_tensor(
     name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
 ) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     x = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if leaf == "bands":
+        return default_bands(shape[0])
     if "norm" in name:  # RMSNorm deltas
         x = 0.1 * x
     elif "mhc_alpha" in name:
         x = 0.5 + 0.1 * x
     elif "mhc_bias" in name or leaf == "bias" or "expert_bias" in name:
         x = 0.1 * x
-    elif "mhc_phi" in name:
-        pass  # x Phi with x RMS-normalised: unit-scale logits before the 1/sqrt(nC) scale
-    elif leaf == "sinks":
-        pass
+    elif "mhc_phi" in name or leaf == "sinks":
+        pass  # x Phi with x RMS-normalised: unit-scale logits before the 1/sqrt(V) scale
     elif leaf in ("W_gate", "W_up", "W_down"):
         x = x / shape[1] ** 0.5  # [rows, in, out]
     else:  # linears [out, in] and the router gate [rows, d_head]
@@ -74,7 +267,8 @@ def write_random_checkpoint(
     config: Magi2Config, path: str | os.PathLike, seed: int = 0, *,
     max_shard_bytes: int = 1 << 30,
 ) -> None:
-    """Write deterministic random weights for `config` (same `seed`, same values).
+    """Write deterministic random weights for `config` under the released names and dtypes
+    (same `seed`, same values).
 
     `path` ending in `.safetensors.index.json` writes shards of at most `max_shard_bytes`
     (a larger tensor gets a shard of its own) named `<stem>-00001-of-0000N.safetensors`
@@ -103,87 +297,3 @@ def write_random_checkpoint(
     total = sum(torch.Size(s).numel() * d.itemsize for s, d in spec.values())
     with open(path, "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-
-
-def _weight_map(path: str) -> dict[str, str]:
-    """name -> file for a safetensors file or a sharded index."""
-    if path.endswith(INDEX_SUFFIX):
-        with open(path) as f:
-            index = json.load(f)
-        if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
-            raise ValueError(f"checkpoint index {path!r} has no 'weight_map' object")
-        base = os.path.dirname(path)
-        return {k: os.path.join(base, v) for k, v in index["weight_map"].items()}
-    with safe_open(path, framework="pt") as f:
-        return dict.fromkeys(f.keys(), path)
-
-
-def load_checkpoint(
-    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30
-) -> None:
-    """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`.
-
-    Each rank reads only its MoE rows: rows `[start, stop)` from `moe_row_slice(heads,
-    experts, EP, ep_rank)` fill the first local rows, padded heads stay zero. Tensors are
-    cast to the parameter's dtype. Raises `ValueError` naming every missing, unexpected or
-    mis-shaped tensor before anything is loaded (names and shapes come from the file
-    headers). Tensors are then read and copied into the model in batches of about
-    `max_batch_bytes`, so the host holds one batch, not a rank's whole state; the router
-    biases go last, in one batch, so that `bias_from_ema` sees both of each layer."""
-    path = os.fspath(path)
-    cfg, ctx = model.config, model.context
-    spec = checkpoint_spec(cfg)
-    where = _weight_map(path)
-    missing = [n for n in spec if n not in where]
-    unexpected = sorted(n for n in where if n not in spec)
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
-    if problems:
-        raise ValueError(f"checkpoint {path!r}: " + "; ".join(problems))
-    by_file: dict[str, list[str]] = {}
-    for name in spec:
-        by_file.setdefault(where[name], []).append(name)
-    bad = []
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != spec[name][0]:
-                    bad.append(f"{name} has shape {list(shape)}, expected {list(spec[name][0])}")
-    if bad:
-        raise ValueError(f"checkpoint {path!r}: mis-shaped tensors: " + "; ".join(bad))
-    start, stop, _ = moe_row_slice(
-        cfg.moe_num_heads, cfg.moe_num_experts, ctx.topology.expert_parallel_size, ctx.coords.ep
-    )
-    local = model.state_dict()
-    batch: dict[str, torch.Tensor] = {}
-    biases: dict[str, torch.Tensor] = {}
-
-    def flush(tensors: dict[str, torch.Tensor]) -> None:
-        result = model.load_state_dict(tensors, strict=False)
-        assert not result.unexpected_keys, result.unexpected_keys  # names checked above
-        tensors.clear()
-
-    held = 0
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                target = local[name]
-                if MOE_MARKER in name:
-                    tensor = torch.zeros(target.shape, dtype=target.dtype)
-                    tensor[: stop - start] = f.get_slice(name)[start:stop].to(target.dtype)
-                else:
-                    tensor = f.get_tensor(name).to(target.dtype)
-                if "router.expert_bias" in name:
-                    biases[name] = tensor
-                    continue
-                batch[name] = tensor
-                held += tensor.numel() * tensor.element_size()
-                if held >= max_batch_bytes:
-                    flush(batch)
-                    held = 0
-    flush(batch)
-    flush(biases)

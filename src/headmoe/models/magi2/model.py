@@ -1,17 +1,32 @@
-"""The MAGI-2 transformer: adapters, mHC layers with Ulysses attention and head-EP MoE MLPs.
+"""The MAGI-2 Preview transformer (MAGI2.md section 3), sharded over SP, CFG and head EP.
 
-Sharding. The branches of one forward are packed as `[video | audio | text]` per branch,
-one attention segment per branch, and split over the SP group with the balanced contiguous
-split (`sp_token_counts`). Everything except attention and the MoE experts is token-local
-and runs on this rank's contiguous shard; attention moves q, k, v to head shards with one
-Ulysses all-to-all, attends per segment, and moves the output back; MoE layers exchange
-over their EP group (or the SP group with replicas) inside `MultiHeadMoE`. The SP token
-counts are computed once per forward on the host and handed to every exchange. At the end
-every SP rank all-gathers the output shards, so each returns full outputs.
+Notation: T packed tokens (T_local on this rank), C hidden size, n mHC streams, V = n*C,
+Hq / Hkv query / KV heads of D dims, B = D/8 rotary bands, m the modality of a row.
+
+Data path of one forward on one rank (rows in sequence order; "per m" = one weight set
+per modality in multimodal layers, applied to the rows of that modality):
+
+    x [T_local, Cx] --pre-adapter per m (fp32, -> V)--> cast to dtype, time sinusoid into
+    columns 0..63 --> state S [T_local, n, C] (model dtype)
+    for each layer, for branch in (attention, MLP):
+        mix = mHC coefficients of S (fp32; mhc_norm per m in multimodal layers)
+        u = sum_i pre_i S_i (-> dtype);  y = F(u);  S <- H_res S + post y (-> dtype)
+    post-adapter per m (fp32, RMSNorm over V -> 48 / 64) --> all-gather over SP --> [T, 64]
+
+Sharding. Every op except attention and the MoE experts is row-local and runs on this
+rank's contiguous shard of the packed rows (`sp_token_counts`). Attention moves q, k, v to
+head shards with one Ulysses all-to-all, attends per segment, and moves the output back;
+MoE layers exchange over their EP group (or the SP group with replicas) inside
+`MultiHeadMoE`. The SP token counts are computed once per forward on the host.
 
 Layout independence. Every product over a layout-dependent number of rows goes through
-`bi_linear` / `bi_matmul`; every position-dependent table (rotary angles, time sinusoids)
-is computed per branch, identically in every layout; sums over streams run in a fixed order.
+`bi_linear` / `bi_matmul`; position tables are per-row functions of the packed coordinates;
+sums over streams run in a fixed order; attention runs per segment. So a row's bits do not
+depend on the layout (tests/models/test_magi2_multirank.py checks them with torch.equal).
+
+Dtypes (model dtype bf16 as released, or fp32): adapters, norms, mHC coefficients, the
+router, attention softmax, SwiGLU7 and the post-adapter compute in fp32; linears and experts
+in the model dtype; the state S between layers and the branch inputs u in the model dtype.
 """
 
 from __future__ import annotations
@@ -35,31 +50,17 @@ from headmoe.layers.attention import segment_attention
 from headmoe.layers.linear import Linear, ModalityLinear
 from headmoe.layers.mhc import mhc_input, mhc_mix, mhc_update
 from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
-from headmoe.layers.rope import apply_rope, rope_tables
+from headmoe.layers.rope import apply_rope, default_bands, rope_table, split_table
 from headmoe.models.magi2.config import AUDIO, MODALITIES, VIDEO, Magi2Config
 from headmoe.models.magi2.config import validate_parallel as _validate_parallel
+from headmoe.models.magi2.packing import (
+    BranchInput,
+    BranchOutput,
+    PackedInputs,
+    pack_branches,
+    unpack_outputs,
+)
 from headmoe.moe import MoEConfig, MultiHeadMoE
-
-
-@dataclass(frozen=True)
-class BranchInput:
-    """One CFG branch: video latents `[T_lat, H_lat, W_lat, video_in_channels]`, audio latents
-    `[T_audio, audio_in_channels]`, text features `[L_text, text_in_channels]` (all fp32), and
-    the diffusion times of video and audio in [0, 1] (1 = pure noise)."""
-
-    video: torch.Tensor
-    audio: torch.Tensor
-    text: torch.Tensor
-    t_video: float
-    t_audio: float
-
-
-@dataclass(frozen=True)
-class BranchOutput:
-    """Velocity predictions of one branch, fp32, shaped like the branch's video and audio."""
-
-    video: torch.Tensor
-    audio: torch.Tensor
 
 
 def sp_token_counts(length: int, sp: int) -> tuple[int, ...]:
@@ -69,49 +70,18 @@ def sp_token_counts(length: int, sp: int) -> tuple[int, ...]:
     return tuple(base + (1 if r < extra else 0) for r in range(sp))
 
 
-def time_embedding(t: float, dim: int) -> torch.Tensor:
-    """64-d (or `dim`-d) sinusoid of a diffusion time `t` in [0, 1]: `[cos(a) | sin(a)]` with
-    `a_k = 1000 t * 10000^(-k / (dim/2))`; computed in float64, returned fp32 `[dim]`."""
-    half = dim // 2
-    arg = 1000.0 * t * 10000.0 ** (-torch.arange(half, dtype=torch.float64) / half)
-    return torch.cat([arg.cos(), arg.sin()]).float()
-
-
-def branch_coords(branch: BranchInput) -> torch.Tensor:
-    """Rotary coordinates `[L_branch, 3]` float64 (t, h, w) of a branch's packed tokens.
-
-    Video: the latent grid index (t, h, w). Audio token i: t = i * T_lat / T_audio (the
-    audio timeline stretched onto the video's latent frames; i when there is no video),
-    h = w = 0. Text: zeros (zero angles, no rotation)."""
-    t_lat, h_lat, w_lat = branch.video.shape[:3]
-    grid = torch.stack(
-        torch.meshgrid(
-            torch.arange(t_lat), torch.arange(h_lat), torch.arange(w_lat), indexing="ij"
-        ),
-        dim=-1,
-    ).reshape(-1, 3).double()
-    n_audio = branch.audio.shape[0]
-    step = t_lat / n_audio if t_lat and n_audio else 1.0
-    audio = torch.zeros(n_audio, 3, dtype=torch.float64)
-    audio[:, 0] = torch.arange(n_audio, dtype=torch.float64) * step
-    text = torch.zeros(branch.text.shape[0], 3, dtype=torch.float64)
-    return torch.cat([grid, audio, text])
-
-
 @dataclass
 class ForwardPlan:
     """Host-side facts of one forward on this rank, computed once and shared by all layers.
 
     counts: SP token counts in SP order; lo/hi: this rank's global rows; segments: each
-    branch's global `(start, stop)`; pieces: `(branch, modality, start, length)` runs of the
-    packed sequence; modality `[T_local]` int64; groups[m]: local rows of modality m;
-    cos/sin `[T_local, 3 * rope_bands]` fp32."""
+    segment's global `(start, stop)`; modality `[T_local]` int64; groups[m]: local rows of
+    modality m; cos/sin `[T_local, 3B]` fp32 (on the model's device)."""
 
     counts: tuple[int, ...]
     lo: int
     hi: int
     segments: list[tuple[int, int]]
-    pieces: list[tuple[int, int, int, int]]
     modality: torch.Tensor
     groups: list[torch.Tensor]
     cos: torch.Tensor
@@ -123,35 +93,49 @@ class ForwardPlan:
 
 
 class Attention(nn.Module):
-    """Gated attention with q/k RMSNorm, 3-D rotary, learned sinks and Ulysses SP.
+    """Gated attention with q/k RMSNorm, 3-D rotary, a learned sink per head and Ulysses SP.
 
-    Parameters: pre_norm.weight `[C]`, linear_g.weight `[H, C]`, linear_qkv.weight
-    `[3*H*D, C]` (rows q heads, then k heads, then v heads), linear_proj.weight `[C, H*D]`,
-    q_norm.weight / k_norm.weight `[D]`, sinks `[1, H]` (fp32 except the linears)."""
+    `modalities` weight sets (3 in multimodal layers, else 1), stored modality-major:
+    pre_norm.weight `[m*C]`; linear_g.weight `[m*Hq, C]`; linear_qkv.weight
+    `[m*(Hq+2Hkv)*D, C]` (per set: q heads, k heads, v heads); linear_proj.weight
+    `[m*C, Hq*D]`; q_norm / k_norm.weight `[m*D]`; sinks `[1, Hq]` fp32."""
 
-    def __init__(self, config: Magi2Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: Magi2Config, dtype: torch.dtype, modalities: int) -> None:
         super().__init__()
-        c, h, d = config.hidden_size, config.num_attention_heads, config.head_dim
-        self.heads, self.head_dim, self.dtype, self.eps = h, d, dtype, config.norm_eps
-        self.pre_norm = RMSNorm(c, config.norm_eps)
-        self.linear_g = Linear(c, h, dtype=dtype)
-        self.linear_qkv = Linear(c, 3 * h * d, dtype=dtype)
-        self.linear_proj = Linear(h * d, c, dtype=dtype)
-        self.q_norm = RMSNorm(d, config.norm_eps)
-        self.k_norm = RMSNorm(d, config.norm_eps)
-        self.sinks = nn.Parameter(torch.zeros(1, h, dtype=torch.float32))
+        c, d = config.hidden_size, config.head_dim
+        self.hq, self.hkv, self.head_dim = config.num_attention_heads, config.num_query_groups, d
+        self.dtype = dtype
+        m, eps = modalities, config.norm_eps
+        self.sinks = nn.Parameter(torch.zeros(1, self.hq, dtype=torch.float32))
+        self.pre_norm = ModalityRMSNorm(m, c, eps)
+        self.linear_g = ModalityLinear(m, c, self.hq, dtype)
+        self.linear_qkv = ModalityLinear(m, c, config.qkv_width, dtype)
+        self.linear_proj = ModalityLinear(m, self.hq * d, c, dtype)
+        self.q_norm = ModalityRMSNorm(m, d, eps)
+        self.k_norm = ModalityRMSNorm(m, d, eps)
+
+    def _qkv(self, x: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+        """Normed, rotated q, k, v `[T_local, 3, Hq, D]` in the model dtype (KV heads
+        repeated for GQA: query head h reads KV head h // (Hq/Hkv))."""
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.hq, self.hkv
+        qkv = self.linear_qkv(x, plan.groups)
+        q = qkv[:, : hq * d].view(t, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+        q = apply_rope(self.q_norm(q, plan.modality), plan.cos, plan.sin)
+        k = apply_rope(self.k_norm(k, plan.modality), plan.cos, plan.sin)
+        if hkv != hq:
+            k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        return torch.stack([q, k, v], dim=1).to(self.dtype)
 
     def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
-        """u `[T_local, C]` fp32 -> `[T_local, C]` fp32."""
+        """u `[T_local, C]` (model dtype) -> `[T_local, C]` fp32."""
         t = u.shape[0]
-        x = self.pre_norm(u)
-        gate = self.linear_g(x)
-        qkv = self.linear_qkv(x).view(t, 3, self.heads, self.head_dim)
-        q = apply_rope(self.q_norm(qkv[:, 0]), plan.cos, plan.sin)
-        k = apply_rope(self.k_norm(qkv[:, 1]), plan.cos, plan.sin)
-        qkv = torch.stack([q, k, qkv[:, 2]], dim=1).to(self.dtype)
+        x = self.pre_norm(u, plan.modality)
+        gate = self.linear_g(x, plan.groups)
+        qkv = self._qkv(x, plan)
         sp = ctx.config.ulysses_degree
-        local = self.heads // sp
+        local = self.hq // sp
         if sp > 1:
             qkv = ulysses_qkv_to_heads(qkv, ctx.group("sp"), plan.counts, counters=ctx.counters)
         first = ctx.coords.sp * local
@@ -160,52 +144,46 @@ class Attention(nn.Module):
         if sp > 1:
             o = ulysses_heads_to_seq(o, ctx.group("sp"), plan.counts, counters=ctx.counters)
         o = o.float() * sigmoid(gate)[:, :, None]
-        return self.linear_proj(o.reshape(t, self.heads * self.head_dim))
+        return self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups)
 
 
 class DenseMLP(nn.Module):
-    """Multimodal dense MLP: modality RMSNorm -> up_gate_proj -> SwiGLU7 -> down_proj, all
-    modality-specific. pre_norm.weight `[3*C]` fp32; up_gate_proj.weight `[3*2*I, C]` (per
-    modality: gate rows then up rows); down_proj.weight `[3*C, I]`."""
+    """Multimodal dense MLP, one weight set per modality: pre_norm.weight `[3*C]`;
+    up_gate_proj.weight `[3*2I, C]` (per set: gate / up interleaved, even / odd rows);
+    down_proj.weight `[3*C, I]`."""
 
     def __init__(self, config: Magi2Config, dtype: torch.dtype) -> None:
         super().__init__()
         c, i, m = config.hidden_size, config.dense_intermediate_size, config.num_modalities
-        self.config = config
         self.pre_norm = ModalityRMSNorm(m, c, config.norm_eps)
         self.up_gate_proj = ModalityLinear(m, c, 2 * i, dtype)
         self.down_proj = ModalityLinear(m, i, c, dtype)
 
     def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
-        """u `[T_local, C]` fp32 -> `[T_local, C]` fp32."""
+        """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
-        act = swiglu7(self.up_gate_proj(n, plan.groups), self.config.swiglu_limit,
-                      self.config.swiglu_alpha)
-        return self.down_proj(act, plan.groups)
+        return self.down_proj(swiglu7(self.up_gate_proj(n, plan.groups)), plan.groups)
 
 
 class MoEMLP(nn.Module):
-    """MoE MLP: modality RMSNorm; split_linear -> `MultiHeadMoE` (`moe_mlp`) -> merge_linear;
-    plus a shared expert and a modality-specific shared expert (SwiGLU7) on the normed input.
+    """MoE MLP: pre_norm (three modality sets) -> split_linear -> `MultiHeadMoE`
+    (`moe_mlp`) -> merge_linear, plus the shared expert and the modality-specific shared
+    expert on the normed input (SwiGLU7, even / odd interleaved fc1 rows).
 
-    pre_norm.weight `[3*C]`; split_linear.weight `[Hm*dm, C]`; merge_linear.weight
-    `[C, Hm*dm]`; shared_expert_fc1 `[2*Is, C]`, shared_expert_fc2 `[C, Is]`;
-    modality_specific_shared_expert_fc1 `[3*2*Is, C]`, ..._fc2 `[3*C, Is]`."""
+    pre_norm.weight `[3*C]`; split_linear / merge_linear.weight `[C, C]`; shared_expert_fc1
+    `[2Is, C]`, _fc2 `[C, Is]`; modality_specific_shared_expert_fc1 `[3*2Im, C]`, _fc2
+    `[3*C, Im]`."""
 
     def __init__(
         self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext,
         workspace: ExchangeWorkspace | None = None,
     ) -> None:
         super().__init__()
-        c, m, s = config.hidden_size, config.num_modalities, config.shared_expert_intermediate_size
-        self.config, self.dtype = config, dtype
+        c, m = config.hidden_size, config.num_modalities
+        s, sm = config.shared_expert_intermediate_size, config.modality_shared_expert_intermediate_size
+        self.dtype = dtype
         self.pre_norm = ModalityRMSNorm(m, c, config.norm_eps)
         self.split_linear = Linear(c, config.moe_hidden_size, dtype=dtype)
-        self.merge_linear = Linear(config.moe_hidden_size, c, dtype=dtype)
-        self.shared_expert_fc1 = Linear(c, 2 * s, dtype=dtype)
-        self.shared_expert_fc2 = Linear(s, c, dtype=dtype)
-        self.modality_specific_shared_expert_fc1 = ModalityLinear(m, c, 2 * s, dtype)
-        self.modality_specific_shared_expert_fc2 = ModalityLinear(m, s, c, dtype)
         self.moe_mlp = MultiHeadMoE(
             MoEConfig(
                 hidden_size=config.moe_hidden_size, num_heads=config.moe_num_heads,
@@ -216,16 +194,20 @@ class MoEMLP(nn.Module):
             context,
             workspace,
         )
+        self.merge_linear = Linear(config.moe_hidden_size, c, dtype=dtype)
+        self.shared_expert_fc1 = Linear(c, 2 * s, dtype=dtype)
+        self.shared_expert_fc2 = Linear(s, c, dtype=dtype)
+        self.modality_specific_shared_expert_fc1 = ModalityLinear(m, c, 2 * sm, dtype)
+        self.modality_specific_shared_expert_fc2 = ModalityLinear(m, sm, c, dtype)
 
     def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
-        """u `[T_local, C]` fp32 -> `[T_local, C]` fp32."""
-        lim, alpha = self.config.swiglu_limit, self.config.swiglu_alpha
+        """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
         z = self.split_linear(n).to(self.dtype)
         routed = self.merge_linear(self.moe_mlp(z, token_counts=plan.counts))
-        shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n), lim, alpha))
+        shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n)))
         h = self.modality_specific_shared_expert_fc1(n, plan.groups)
-        modal = self.modality_specific_shared_expert_fc2(swiglu7(h, lim, alpha), plan.groups)
+        modal = self.modality_specific_shared_expert_fc2(swiglu7(h), plan.groups)
         return routed + shared + modal
 
 
@@ -233,45 +215,57 @@ class Magi2Layer(nn.Module):
     """One layer: mHC around attention, then mHC around the MLP (dense or MoE).
 
     mHC parameters (fp32): mhc_alpha_{pre,post,res}_{attn,mlp} `[1]`,
-    mhc_bias_{pre,post}_{attn,mlp} `[n]`, mhc_bias_res_{attn,mlp} `[n*n]`,
-    mhc_phi_fused_{attn,mlp} `[n*C, 2n + n*n]`, mhc_norm.weight `[n*C]` (shared by both
-    branches)."""
+    mhc_bias_{pre,post}_{attn,mlp} `[n]`, mhc_bias_res_{attn,mlp} `[n, n]`,
+    mhc_phi_fused_{attn,mlp} `[V, 2n + n*n]`, mhc_norm.weight `[m*V]` (shared by both
+    branches; three sets in multimodal layers)."""
 
     def __init__(
         self, config: Magi2Config, layer_id: int, dtype: torch.dtype, context: ParallelContext,
         workspace: ExchangeWorkspace,
     ) -> None:
         super().__init__()
-        self.config = config
-        n, c = config.mhc_streams, config.hidden_size
-        self.attention = Attention(config, dtype)
-        self.mlp = (
-            DenseMLP(config, dtype) if layer_id in config.dense_layers
-            else MoEMLP(config, dtype, context, workspace)
-        )
+        self.config, self.dtype = config, dtype
+        n, v = config.mhc_streams, config.mhc_width
+        self.multimodal = layer_id in config.multimodal_layers
+        sets = config.num_modalities if self.multimodal else 1
         for branch in ("attn", "mlp"):
-            for kind, size in (("pre", n), ("post", n), ("res", n * n)):
+            for kind in ("pre", "post", "res"):
                 alpha = nn.Parameter(torch.full((1,), 0.01, dtype=torch.float32))
                 setattr(self, f"mhc_alpha_{kind}_{branch}", alpha)
+            for kind, shape in (("pre", (n,)), ("post", (n,)), ("res", (n, n))):
                 setattr(self, f"mhc_bias_{kind}_{branch}",
-                        nn.Parameter(torch.zeros(size, dtype=torch.float32)))
+                        nn.Parameter(torch.zeros(shape, dtype=torch.float32)))
             setattr(self, f"mhc_phi_fused_{branch}",
-                    nn.Parameter(torch.zeros(n * c, 2 * n + n * n, dtype=torch.float32)))
-        self.mhc_norm = RMSNorm(n * c, config.norm_eps)
+                    nn.Parameter(torch.zeros(v, 2 * n + n * n, dtype=torch.float32)))
+        self.attention = Attention(config, dtype, sets)
+        self.mlp = (
+            DenseMLP(config, dtype) if self.multimodal
+            else MoEMLP(config, dtype, context, workspace)
+        )
+        self.mhc_norm = ModalityRMSNorm(sets, v, config.norm_eps)
+
+    def _norm_weight(self, plan: ForwardPlan) -> torch.Tensor:
+        w = self.mhc_norm.weight
+        if not self.multimodal:
+            return w
+        return w.view(self.config.num_modalities, -1)[plan.modality]
 
     def forward(
         self, state: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext
     ) -> torch.Tensor:
-        """state `[T_local, n, C]` fp32 -> `[T_local, n, C]` fp32."""
+        """state `[T_local, n, C]` (model dtype) -> `[T_local, n, C]` (model dtype)."""
         cfg = self.config
+        norm_weight = self._norm_weight(plan)
         for branch, fn in (("attn", self.attention), ("mlp", self.mlp)):
             mix = mhc_mix(
-                state, self.mhc_norm.weight, getattr(self, f"mhc_phi_fused_{branch}"),
+                state, norm_weight, getattr(self, f"mhc_phi_fused_{branch}"),
                 tuple(getattr(self, f"mhc_alpha_{k}_{branch}") for k in ("pre", "post", "res")),
-                tuple(getattr(self, f"mhc_bias_{k}_{branch}") for k in ("pre", "post", "res")),
+                tuple(getattr(self, f"mhc_bias_{k}_{branch}").reshape(-1)
+                      for k in ("pre", "post", "res")),
                 iters=cfg.mhc_sinkhorn_iters, eps=cfg.mhc_eps, norm_eps=cfg.norm_eps,
             )
-            state = mhc_update(state, mix, fn(mhc_input(state, mix), plan, ctx))
+            y = fn(mhc_input(state, mix).to(self.dtype), plan, ctx)
+            state = mhc_update(state, mix, y.to(self.dtype)).to(self.dtype)
         return state
 
 
@@ -289,15 +283,25 @@ class Block(nn.Module):
         )
 
 
+class Rope(nn.Module):
+    """`bands` `[B]` fp32 buffer (checkpoint `pre_adapter.rope.bands`)."""
+
+    def __init__(self, bands: int) -> None:
+        super().__init__()
+        self.register_buffer("bands", default_bands(bands))
+
+
 class PreAdapter(nn.Module):
-    """fp32 per-modality embedders `{video,audio,text}_embedder` (weight `[C, in]`, bias `[C]`)."""
+    """fp32 per-modality embedders `{video,text,audio}_embedder` (weight `[V, in_m]`, bias
+    `[V]`; the V columns are the n streams, stream-major) and the rotary bands."""
 
     def __init__(self, config: Magi2Config) -> None:
         super().__init__()
-        c = config.hidden_size
-        self.video_embedder = Linear(config.video_in_channels, c, bias=True)
-        self.audio_embedder = Linear(config.audio_in_channels, c, bias=True)
-        self.text_embedder = Linear(config.text_in_channels, c, bias=True)
+        v = config.mhc_width
+        self.video_embedder = Linear(config.video_in_channels, v, bias=True)
+        self.text_embedder = Linear(config.text_in_channels, v, bias=True)
+        self.audio_embedder = Linear(config.audio_in_channels, v, bias=True)
+        self.rope = Rope(config.rope_bands)
 
     def embedders(self) -> tuple[Linear, Linear, Linear]:
         """In modality order (video, audio, text)."""
@@ -305,23 +309,24 @@ class PreAdapter(nn.Module):
 
 
 class PostAdapter(nn.Module):
-    """fp32 final_norm_{video,audio} `[C]` and final_linear_{video,audio} `[out, C]`."""
+    """fp32 final_norm_{video,audio}.weight `[V]`, final_linear_{video,audio}.weight
+    `[out, V]` (no bias)."""
 
     def __init__(self, config: Magi2Config) -> None:
         super().__init__()
-        c = config.hidden_size
-        self.final_norm_video = RMSNorm(c, config.norm_eps)
-        self.final_norm_audio = RMSNorm(c, config.norm_eps)
-        self.final_linear_video = Linear(c, config.video_in_channels)
-        self.final_linear_audio = Linear(c, config.audio_in_channels)
+        v = config.mhc_width
+        self.final_norm_video = RMSNorm(v, config.norm_eps)
+        self.final_norm_audio = RMSNorm(v, config.norm_eps)
+        self.final_linear_video = Linear(v, config.video_in_channels)
+        self.final_linear_audio = Linear(v, config.audio_in_channels)
 
 
 class Magi2Transformer(nn.Module):
-    """MAGI-2-family diffusion transformer, sharded by the given `ParallelContext`.
+    """The MAGI-2 transformer, sharded by the given `ParallelContext`.
 
-    `dtype` (fp32 or bf16) is the dtype of the linears and experts; norms, router gate,
-    biases, mHC parameters, adapters and sinks are fp32; residual streams accumulate in fp32.
-    Parameters start at zeros (identity norms); load weights with `load_checkpoint`."""
+    `dtype` (fp32 or bf16) is the dtype of the linears and experts and of the state between
+    layers; see the module docstring for the rest. Parameters start at zeros (identity
+    norms); load weights with `load_checkpoint`. Inference only."""
 
     expert_parallel_style = "head"
 
@@ -336,92 +341,59 @@ class Magi2Transformer(nn.Module):
         _validate_parallel(config, context.config)
         self.config, self.context, self.dtype = config, context, dtype
         self.pre_adapter = PreAdapter(config)
-        self.block = Block(config, dtype, context)
         self.post_adapter = PostAdapter(config)
+        self.block = Block(config, dtype, context)
+
+    @property
+    def out_width(self) -> int:
+        """Columns of the packed output (the larger of the video / audio channels)."""
+        return max(self.config.video_in_channels, self.config.audio_in_channels)
 
     # ------------------------------------------------------------------ planning
-    def _check_inputs(self, branches: Sequence[BranchInput]) -> None:
-        cfg, cfg_size = self.config, self.context.config.cfg_parallel_size
-        if not isinstance(branches, Sequence) or not branches:
-            raise ValueError(f"branches must be a non-empty sequence, got {branches!r}")
-        if cfg_size == 2 and len(branches) != 1:
-            raise ValueError(
-                f"len(branches)={len(branches)}: with cfg_parallel_size=2 each rank runs one branch"
-            )
-        for b, br in enumerate(branches):
-            if not isinstance(br, BranchInput):
-                raise ValueError(f"branches[{b}] must be a BranchInput, got {type(br).__name__}")
-            for name, ndim, ch in (("video", 4, cfg.video_in_channels),
-                                   ("audio", 2, cfg.audio_in_channels),
-                                   ("text", 2, cfg.text_in_channels)):
-                x = getattr(br, name)
-                if not isinstance(x, torch.Tensor) or x.dim() != ndim or x.shape[-1] != ch \
-                        or x.dtype != torch.float32:
-                    got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-                    raise ValueError(
-                        f"branches[{b}].{name} must be an fp32 tensor of {ndim} dims with "
-                        f"{ch} channels last, got {got!r}"
-                    )
-            for name in ("t_video", "t_audio"):
-                t = getattr(br, name)
-                if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t <= 1.0:
-                    raise ValueError(f"branches[{b}].{name} must be a float in [0, 1], got {t!r}")
-        if sum(self._branch_lengths(br) for br in branches) == 0:
-            raise ValueError("branches hold no tokens (video, audio and text all empty)")
-
-    @staticmethod
-    def _branch_lengths(br: BranchInput) -> int:
-        return br.video.shape[:3].numel() + br.audio.shape[0] + br.text.shape[0]
-
-    def plan(self, branches: Sequence[BranchInput]) -> ForwardPlan:
-        """Validate the inputs and compute this rank's `ForwardPlan` (host only, no
+    def plan(self, packed: PackedInputs) -> ForwardPlan:
+        """Validate `packed` and compute this rank's `ForwardPlan` (host only, no
         collective). Raises `ValueError` naming the bad field."""
-        self._check_inputs(branches)
+        packed.validate(self.config)
         ctx = self.context
-        segments, pieces, coords, start = [], [], [], 0
-        for b, br in enumerate(branches):
-            seg_start = start
-            for m, n in enumerate((br.video.shape[:3].numel(), br.audio.shape[0],
-                                   br.text.shape[0])):
-                pieces.append((b, m, start, n))
-                start += n
-            segments.append((seg_start, start))
-            coords.append(rope_tables(branch_coords(br), self.config.rope_bands,
-                                      self.config.rope_theta, self.config.rope_axis_scales))
-        counts = sp_token_counts(start, ctx.config.ulysses_degree)
+        counts = sp_token_counts(packed.num_tokens, ctx.config.ulysses_degree)
         lo = sum(counts[: ctx.coords.sp])
         hi = lo + counts[ctx.coords.sp]
-        modality = torch.empty(start, dtype=torch.int64)
-        for _, m, s, n in pieces:
-            modality[s : s + n] = m
-        modality = modality[lo:hi]
-        groups = [torch.nonzero(modality == m).flatten() for m in range(len(MODALITIES))]
         dev = self.pre_adapter.video_embedder.weight.device
-        cos = torch.cat([c for c, _ in coords])[lo:hi].to(dev)
-        sin = torch.cat([s for _, s in coords])[lo:hi].to(dev)
-        return ForwardPlan(counts, lo, hi, segments, pieces, modality.to(dev),
-                           [g.to(dev) for g in groups], cos, sin)
+        modality = packed.modality[lo:hi]
+        groups = [torch.nonzero(modality == m).flatten().to(dev) for m in range(len(MODALITIES))]
+        cos, sin = split_table(rope_table(packed.coords[lo:hi], self.pre_adapter.rope.bands.cpu()))
+        return ForwardPlan(counts, lo, hi, packed.segments(), modality.to(dev), groups,
+                           cos.to(dev), sin.to(dev))
 
     # ------------------------------------------------------------------ forward
-    def _embed(self, branches: Sequence[BranchInput], plan: ForwardPlan) -> torch.Tensor:
+    def _embed(self, packed: PackedInputs, plan: ForwardPlan) -> torch.Tensor:
+        """This rank's initial state `[T_local, n, C]` in the model dtype."""
+        cfg = self.config
         dev = self.pre_adapter.video_embedder.weight.device
-        out = torch.zeros(plan.local_tokens, self.config.hidden_size, device=dev)
-        embedders = self.pre_adapter.embedders()
-        tdim = self.config.time_embed_dim
-        for b, m, s, n in plan.pieces:
-            a, e = max(s, plan.lo), min(s + n, plan.hi)
-            if e <= a:
-                continue
-            br = branches[b]
-            src = (br.video.reshape(-1, br.video.shape[-1]), br.audio, br.text)[m]
-            emb = embedders[m](src[a - s : e - s].to(dev))
-            t = (br.t_video, br.t_audio, 0.0)[m]
-            emb[:, :tdim] = time_embedding(float(t), tdim).to(dev)
-            out[a - plan.lo : e - plan.lo] = emb
-        return out
+        x = packed.x[plan.lo : plan.hi].to(dev)
+        out = torch.zeros(plan.local_tokens, cfg.mhc_width, device=dev)
+        for m, embedder in enumerate(self.pre_adapter.embedders()):
+            rows = plan.groups[m]
+            if rows.numel():
+                out[rows] = embedder(x[rows, : embedder.weight.shape[1]])
+        state = out.to(self.dtype)
+        state[:, : cfg.time_embed_dim] = packed.time_tokens[plan.lo : plan.hi].to(dev)
+        return state.view(plan.local_tokens, cfg.mhc_streams, cfg.hidden_size)
+
+    def _post(self, state: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+        """`[T_local, n, C]` -> `[T_local, out_width]` fp32 (text rows zero)."""
+        h = state.reshape(plan.local_tokens, self.config.mhc_width).float()
+        post = self.post_adapter
+        local = h.new_zeros((plan.local_tokens, self.out_width))
+        for m, norm, lin in ((VIDEO, post.final_norm_video, post.final_linear_video),
+                             (AUDIO, post.final_norm_audio, post.final_linear_audio)):
+            rows = plan.groups[m]
+            if rows.numel():
+                local[rows, : lin.weight.shape[0]] = lin(norm(h[rows]))
+        return local
 
     def _gather(self, local: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
-        """Every SP rank's `[count_r, P]` rows -> the full `[L, P]` (all_gather of padded
+        """Every SP rank's `[count_r, P]` rows -> the full `[T, P]` (all_gather of padded
         shards over the SP group)."""
         sp = self.context.config.ulysses_degree
         if sp == 1:
@@ -436,35 +408,32 @@ class Magi2Transformer(nn.Module):
         return torch.cat([p[:c] for p, c in zip(parts, plan.counts)])
 
     @torch.no_grad()
-    def forward(self, branches: Sequence[BranchInput]) -> list[BranchOutput]:
-        """Velocity predictions of the packed branches (see the module docstring).
+    def forward_packed(
+        self, packed: PackedInputs, trace: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """One transformer forward on packed inputs (`headmoe.models.magi2.packing`).
 
-        branches: the `BranchInput`s this rank's SP group runs (identical on every SP rank).
+        packed: identical on every rank of this SP group (host tensors). Returns the full
+        `[T, out_width]` fp32 prediction on every SP rank (columns 0..47 on video rows,
+        0..63 on audio rows, zeros on text rows). `trace`, when given, receives this rank's
+        rows (sequence order, fp32 `[T_local, V]`) of `block_in` and `layer{i}_out`."""
+        plan = self.plan(packed)
+        state = self._embed(packed, plan)
+        if trace is not None:
+            trace["block_in"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
+        for i, layer in enumerate(self.block.layers):
+            state = layer(state, plan, self.context)
+            if trace is not None:
+                trace[f"layer{i}_out"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
+        return self._gather(self._post(state, plan), plan)
+
+    def forward(self, branches: Sequence[BranchInput]) -> list[BranchOutput]:
+        """Velocity predictions of the CFG branches this rank's SP group runs (identical on
+        every SP rank): packs them (`pack_branches`), runs `forward_packed`, unpacks.
         Returns one fp32 `BranchOutput` per branch, full tensors on every SP rank."""
-        cfg, ctx = self.config, self.context
-        plan = self.plan(branches)
-        x = self._embed(branches, plan)
-        n = cfg.mhc_streams
-        state = x[:, None, :].expand(-1, n, -1).contiguous()
-        for layer in self.block.layers:
-            state = layer(state, plan, ctx)
-        h = state[:, 0]
-        for i in range(1, n):
-            h = h + state[:, i]
-        h = h * (1.0 / n)
-        post = self.post_adapter
-        width = max(cfg.video_in_channels, cfg.audio_in_channels)
-        local = h.new_zeros((plan.local_tokens, width))
-        for m, norm, lin in ((VIDEO, post.final_norm_video, post.final_linear_video),
-                             (AUDIO, post.final_norm_audio, post.final_linear_audio)):
-            rows = plan.groups[m]
-            if rows.numel():
-                local[rows, : lin.weight.shape[0]] = lin(norm(h[rows]))
-        full = self._gather(local, plan)
-        outs = []
-        for b, br in enumerate(branches):
-            (_, _, vs, vn), (_, _, as_, an) = plan.pieces[3 * b + VIDEO], plan.pieces[3 * b + AUDIO]
-            video = full[vs : vs + vn, : cfg.video_in_channels].reshape(br.video.shape)
-            audio = full[as_ : as_ + an, : cfg.audio_in_channels].reshape(br.audio.shape)
-            outs.append(BranchOutput(video.contiguous(), audio.contiguous()))
-        return outs
+        packed = pack_branches(branches, self.config)
+        if self.context.config.cfg_parallel_size == 2 and len(branches) != 1:
+            raise ValueError(
+                f"len(branches)={len(branches)}: with cfg_parallel_size=2 each rank runs one branch"
+            )
+        return unpack_outputs(self.forward_packed(packed), branches, self.config)
