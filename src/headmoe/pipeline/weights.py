@@ -43,19 +43,25 @@ def check_tensors(
     found: Mapping[str, torch.Tensor | torch.Size | tuple[int, ...]],
     expected: Mapping[str, torch.Size | tuple[int, ...]],
     source: str,
+    aliases: Mapping[str, str] | None = None,
 ) -> None:
     """Raise `ValueError` naming every missing, unexpected and mis-shaped tensor.
 
     ``found`` maps names to tensors or shapes, ``expected`` names to shapes; ``source``
-    (a file name) prefixes the message."""
+    (a file name) prefixes the message. ``aliases`` (optional) maps a found name to the
+    name the file spells it with; messages then give ``file_name (name)``."""
+    aliases = aliases or {}
+
+    def show(n: str) -> str:
+        return f"{aliases[n]} ({n})" if n in aliases else n
 
     def shape(v: object) -> list[int]:
         return list(v.shape) if isinstance(v, torch.Tensor) else list(v)  # type: ignore[arg-type]
 
     missing = [n for n in expected if n not in found]
-    unexpected = sorted(n for n in found if n not in expected)
+    unexpected = sorted(show(n) for n in found if n not in expected)
     bad = [
-        f"{n}: expected {list(expected[n])}, found {shape(found[n])}"
+        f"{show(n)}: expected {list(expected[n])}, found {shape(found[n])}"
         for n in expected
         if n in found and shape(found[n]) != list(expected[n])
     ]
