@@ -138,3 +138,23 @@ def test_problems_named(tmp_path):
 def test_missing_files_named(tmp_path):
     with pytest.raises(ValueError, match="missing model_config.json"):
         av.load_oobleck_decoder(tmp_path)
+
+
+def test_inverse_renamer_round_trips_released_decoder():
+    rows = [r for r in released_tensors(NAME) if r["part"] == "decoder"]
+    assert len(rows) == 182
+    for r in rows:
+        name = av.oobleck_name(r["name"]).removeprefix("decoder.")
+        assert av.stable_audio_name(name) == r["name"]
+
+
+def test_tiny_release_folder(tmp_path):
+    a = av.build_tiny_audio_vae(tmp_path / "a")
+    av.build_tiny_audio_vae(tmp_path / "b")
+    for name in (av.CONFIG_FILE, av.WEIGHTS_FILE):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    dec = av.load_oobleck_decoder(a)
+    assert dec.config == av.OobleckConfig(channels=8)
+    latents = torch.randn(26, 64, generator=torch.Generator().manual_seed(0))
+    wave = dec.decode(latents, 45864)
+    assert wave.shape == (2, 45864) and 0.01 < wave.std().item() < 1.0

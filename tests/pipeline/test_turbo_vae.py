@@ -144,3 +144,19 @@ def test_pipeline_adapter(tiny_model):
     diff = (pixels.int() - c["out.uint8"].int()).abs()
     assert diff.max().item() <= 1
     assert dec.decode(latents, 6).shape == (6, 64, 96, 3)
+
+
+def test_tiny_release_folder(tmp_path):
+    a = tv.build_tiny_turbo_vae(tmp_path / "a")
+    b = tv.build_tiny_turbo_vae(tmp_path / "b")
+    for name in (tv.CONFIG_FILE, tv.CHECKPOINT_FILE):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    dec = tv.TurboVideoDecoder.from_folder(a, dtype=torch.float32)
+    assert dec.model.config.decoder_block_out_channels == (8, 16, 24, 32)
+    latents = torch.randn(4, 4, 6, 48, generator=torch.Generator().manual_seed(0))
+    pixels = dec.decode(latents, 13)
+    assert pixels.shape == (13, 64, 96, 3) and pixels.dtype == torch.uint8
+    assert torch.equal(
+        pixels, tv.TurboVideoDecoder.from_folder(b, dtype=torch.float32).decode(latents, 13)
+    )
+    assert pixels.float().std().item() > 20  # not a constant picture

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -249,8 +250,6 @@ def load_oobleck_decoder(
             raise ValueError(f"stable-audio folder {folder!r}: missing {os.path.basename(p)}")
     with open(cfg_path) as f:
         cfg = OobleckConfig.from_model_config(json.load(f), cfg_path)
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm
         decoder = cfg.build("meta")
@@ -262,3 +261,80 @@ def load_oobleck_decoder(
                 if hasattr(m, "weight_g"):
                     torch.nn.utils.remove_weight_norm(m)
     return OobleckAudioDecoder(decoder.eval(), cfg)
+
+
+def stable_audio_name(name: str, n_blocks: int = 5) -> str:
+    """Inverse of `oobleck_name` for the decoder: a diffusers ``OobleckDecoder`` name (no
+    ``decoder.`` prefix) -> the stable-audio-tools file name."""
+    parts = name.split(".")
+    ends = {"conv1": 0, "snake1": n_blocks + 1, "conv2": n_blocks + 2}
+    if parts[0] in ends and len(parts) == 2:
+        return f"{DECODER_PREFIX}layers.{ends[parts[0]]}.{parts[1]}"
+    if parts[0] == "block" and len(parts) >= 4:
+        outer = f"{DECODER_PREFIX}layers.{int(parts[1]) + 1}.layers"
+        sub, rest = parts[2], parts[3:]
+        if sub in ("snake1", "conv_t1") and len(rest) == 1:
+            return f"{outer}.{0 if sub == 'snake1' else 1}.{rest[0]}"
+        if sub.startswith("res_unit") and len(rest) == 2 and rest[0] in RES_UNIT:
+            unit = int(sub.removeprefix("res_unit")) + 1
+            return f"{outer}.{unit}.layers.{RES_UNIT.index(rest[0])}.{rest[1]}"
+    raise ValueError(f"OobleckDecoder tensor {name!r}: unknown layout")
+
+
+def build_tiny_audio_vae(folder: str | os.PathLike, seed: int = 1003, channels: int = 8) -> str:
+    """Write a tiny random Oobleck decoder as a stable-audio-tools folder
+    (``model_config.json`` + ``model.safetensors`` with ``pretransform.model.decoder.*``
+    only) that `load_oobleck_decoder` reads like the release's. Deterministic; returns the
+    folder. Weight norm: ``weight_v`` ~ N(0, 1), ``weight_g`` 1 (0.3 for each residual
+    unit's 1x1 conv, 0.5 for the last conv), snake log-parameters N(0, 0.3^2), biases
+    N(0, 0.02^2)."""
+    from safetensors.torch import save_file
+
+    folder = os.fspath(folder)
+    cfg = OobleckConfig(channels=channels)
+    gen = torch.Generator().manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        spec = {k: tuple(v.shape) for k, v in cfg.build("meta").state_dict().items()}
+    tensors = {}
+    for name, shape in spec.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "weight_v":
+            value = torch.randn(shape, generator=gen)
+        elif leaf == "weight_g":
+            gain = 0.3 if ".res_unit" in name and ".conv2." in name else 1.0
+            value = torch.full(shape, 0.5 if name.startswith("conv2.") else gain)
+        elif leaf in ("alpha", "beta"):
+            value = 0.3 * torch.randn(shape[1], generator=gen)
+        else:
+            value = 0.02 * torch.randn(shape, generator=gen)
+        tensors[stable_audio_name(name, len(cfg.c_mults))] = value.contiguous()
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, WEIGHTS_FILE))
+    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+        json.dump(_model_config(cfg), f, indent=1)
+    return folder
+
+
+def _model_config(cfg: OobleckConfig) -> dict:
+    """A stable-audio-tools ``model_config.json`` skeleton with ``cfg``'s decoder."""
+    coder = {"c_mults": list(cfg.c_mults), "strides": list(cfg.strides), "use_snake": True}
+    decoder = {"out_channels": cfg.out_channels, "channels": cfg.channels, **coder}
+    decoder.update(latent_dim=cfg.latent_dim, final_tanh=False)
+    return {
+        "model_type": "diffusion_cond",
+        "sample_rate": cfg.sample_rate,
+        "audio_channels": cfg.out_channels,
+        "model": {
+            "pretransform": {
+                "type": "autoencoder",
+                "config": {
+                    "decoder": {"type": "oobleck", "config": decoder},
+                    "bottleneck": {"type": "vae"},
+                    "latent_dim": cfg.latent_dim,
+                    "downsampling_ratio": cfg.hop,
+                    "io_channels": cfg.out_channels,
+                },
+            }
+        },
+    }

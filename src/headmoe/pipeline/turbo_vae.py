@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -31,8 +31,6 @@ from torch import nn
 
 from headmoe.pipeline import video_latents
 from headmoe.pipeline.weights import check_tensors, read_tensors
-
-log = logging.getLogger(__name__)
 
 CONFIG_FILE = "TurboV3-Wan22-TinyShallow_7_7.json"
 CHECKPOINT_FILE = "checkpoint.ckpt"
@@ -421,3 +419,35 @@ class TurboVideoDecoder:
         if num_frames > frames.shape[2]:
             raise ValueError(f"num_frames={num_frames} > {frames.shape[2]} decoded frames")
         return video_latents.frames_to_uint8(frames[:, :, :num_frames].cpu())
+
+
+def build_tiny_turbo_vae(
+    folder: str | os.PathLike, seed: int = 1002, widths: tuple[int, ...] = (8, 16, 24, 32)
+) -> str:
+    """Write a tiny random TurboV3 as the release's ``turbo_vae/`` folder (``CONFIG_FILE``
+    with the training-only keys too, ``checkpoint.ckpt`` = ``{"ema_state_dict":
+    {"module.decoder.*": ...}}``). Deterministic; returns the folder. Weights: conv
+    N(0, 1/fan_in) (ResNet ``conv2`` x0.5), biases N(0, 0.05^2)."""
+    folder = os.fspath(folder)
+    cfg = TurboVAEConfig(decoder_block_out_channels=tuple(widths))
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in build_turbo_vae(cfg).state_dict().items():
+        if name.endswith(".weight"):
+            fan_in = math.prod(p.shape[1:])
+            gain = 0.5 if ".conv2." in name else 1.0
+            value = torch.randn(p.shape, generator=gen) * (gain / math.sqrt(fan_in))
+        else:
+            value = 0.05 * torch.randn(p.shape, generator=gen)
+        state[f"module.{name}"] = value
+    os.makedirs(folder, exist_ok=True)
+    data = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    data.update(
+        aligned_feature_projection_mode="conv-2layer",
+        aligned_feature_projection_dim=[[512, 1024], [512, 1024]],
+        aligned_blks_indices=[0, 1],
+    )
+    with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+        json.dump(data, f, indent=1)
+    torch.save({"ema_state_dict": state}, os.path.join(folder, CHECKPOINT_FILE))
+    return folder
