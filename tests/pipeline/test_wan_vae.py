@@ -136,3 +136,28 @@ def test_pth_folder_and_problems_named(tmp_path):
     torch.save(bad, tmp_path / wv.CHECKPOINT_FILE)
     with pytest.raises(ValueError, match="unexpected tensors: model.ema.x"):
         wv.load_wan_vae(tmp_path, cfg)
+
+
+def test_inverse_renamer_round_trips_released_names():
+    for row in released_tensors(NAME):
+        assert wv.wan_original_name(wv.wan_name(row["name"])) == row["name"]
+
+
+def test_config_read_from_file_widths(case, vae):
+    path = golden_dir(NAME) / "vae_original_layout.safetensors"
+    auto = wv.load_wan_vae(path, dtype=torch.float32)  # no config: widths from the file
+    assert auto.config.base_dim == 6 and auto.config.decoder_base_dim == 8
+    with torch.no_grad():
+        x = vl.denormalize(case["in.latent"])
+        assert torch.equal(auto.decode(x).sample, vae.decode(x).sample)
+
+
+def test_tiny_release_folder(tmp_path):
+    wv.build_tiny_wan_vae(tmp_path / "a")
+    wv.build_tiny_wan_vae(tmp_path / "b")
+    name = wv.CHECKPOINT_FILE
+    assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    dec = wv.WanVideoDecoder(wv.load_wan_vae(tmp_path / "a", dtype=torch.float32))
+    latents = torch.randn(2, 1, 2, 48, generator=torch.Generator().manual_seed(0))
+    pixels = dec.decode(latents, 5)
+    assert pixels.shape == (5, 16, 32, 3) and pixels.float().std().item() > 5

@@ -94,6 +94,56 @@ def wan_name(name: str) -> str:
     raise ValueError(f"Wan2.2 VAE tensor {name!r}: unknown layout")
 
 
+_RES_INV = {v: k for k, v in _RES.items()}
+
+
+def _res_original(parts: list[str], name: str) -> str:
+    if parts[0] == "conv_shortcut" and len(parts) == 2:
+        return f"shortcut.{parts[1]}"
+    if len(parts) == 2 and parts[0] in _RES_INV:
+        return ".".join((*_RES_INV[parts[0]], parts[1]))
+    raise ValueError(f"AutoencoderKLWan tensor {name!r}: unknown resnet entry")
+
+
+def wan_original_name(name: str, num_res_blocks: int = 2) -> str:
+    """Inverse of `wan_name`: a diffusers ``AutoencoderKLWan`` name -> the ``.pth`` name."""
+    top = {"quant_conv": "conv1", "post_quant_conv": "conv2"}
+    p = name.split(".")
+    if p[0] in top and len(p) == 2:
+        return f"{top[p[0]]}.{p[1]}"
+    side, rest = p[0], p[1:]
+    if side not in ("encoder", "decoder") or not rest:
+        raise ValueError(f"AutoencoderKLWan tensor {name!r}: unknown layout")
+    simple = {"conv_in": "conv1", "norm_out": "head.0", "conv_out": "head.2"}
+    if rest[0] in simple and len(rest) == 2:
+        return f"{side}.{simple[rest[0]]}.{rest[1]}"
+    if rest[:3] == ["mid_block", "attentions", "0"]:
+        return f"{side}.middle.1.{'.'.join(rest[3:])}"
+    if rest[:2] == ["mid_block", "resnets"] and len(rest) >= 4:
+        return f"{side}.middle.{2 * int(rest[2])}.{_res_original(rest[3:], name)}"
+    group = "downsamples" if side == "encoder" else "upsamples"
+    if rest[0] in ("down_blocks", "up_blocks") and len(rest) >= 4:
+        i, kind = rest[1], rest[2]
+        if kind in ("downsampler", "upsampler"):
+            j = num_res_blocks if side == "encoder" else num_res_blocks + 1
+            return f"{side}.{group}.{i}.{group}.{j}.{'.'.join(rest[3:])}"
+        if kind == "resnets" and len(rest) >= 5:
+            return f"{side}.{group}.{i}.{group}.{rest[3]}.{_res_original(rest[4:], name)}"
+    raise ValueError(f"AutoencoderKLWan tensor {name!r}: unknown layout")
+
+
+def config_for(state: Mapping[str, torch.Tensor], source: str) -> dict:
+    """`RELEASED_CONFIG` with the widths read from the file (``encoder.conv1`` gives
+    ``base_dim``, ``decoder.conv1`` gives ``decoder_base_dim * dim_mult[-1]``), so a
+    narrowed VAE in the release's layout loads without a separate config."""
+    try:
+        base = state["encoder.conv1.weight"].shape[0]
+        dec = state["decoder.conv1.weight"].shape[0] // RELEASED_CONFIG["dim_mult"][-1]
+    except KeyError as exc:
+        raise ValueError(f"{source}: missing tensor {exc.args[0]}") from None
+    return dict(RELEASED_CONFIG, base_dim=int(base), decoder_base_dim=int(dec))
+
+
 def rename_state_dict(state: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
     """All tensors under diffusers names; every name that fits no rule is reported."""
     out, refused = {}, []
@@ -123,7 +173,8 @@ def load_wan_vae(
 ):
     """Load ``Wan2.2_VAE.pth`` (or a folder holding it; torch pickle read with
     ``weights_only=True, mmap=True``, or a ``.safetensors`` file in the same layout) into
-    ``AutoencoderKLWan`` built with ``config`` (default `RELEASED_CONFIG`). Every missing,
+    ``AutoencoderKLWan`` built with ``config`` (default: `config_for` the file, i.e. the
+    released configuration with the file's widths). Every missing,
     unexpected or mis-shaped tensor is reported by name before loading."""
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -134,12 +185,40 @@ def load_wan_vae(
         raise ValueError(f"{path}: entries that are not tensors: {', '.join(bad)}")
     renamed = rename_state_dict(raw, path)
     aliases = dict(zip(renamed, raw))
-    model = build_wan_vae(config, "meta")
+    model = build_wan_vae(config or config_for(raw, path), "meta")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_tensors(renamed, expected, f"{path} (diffusers names)", aliases)
     state = {k: v.to(device=device, dtype=dtype) for k, v in renamed.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+def build_tiny_wan_vae(
+    folder: str | os.PathLike, seed: int = 1004, base_dim: int = 6, decoder_base_dim: int = 8
+) -> str:
+    """Write a tiny random Wan2.2 VAE as the release's ``vae/`` folder: ``Wan2.2_VAE.pth``, a
+    plain state dict in the original key layout, that `load_wan_vae` reads without a config.
+    Deterministic; returns the folder. Weights: conv N(0, 1/fan_in) (``residual.6`` and the
+    attention ``proj`` x0.5), RMSNorm gammas 1, biases N(0, 0.05^2)."""
+    import math
+
+    folder = os.fspath(folder)
+    cfg = dict(RELEASED_CONFIG, base_dim=base_dim, decoder_base_dim=decoder_base_dim)
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, p in build_wan_vae(cfg).state_dict().items():
+        original = wan_original_name(name, cfg["num_res_blocks"])
+        if name.endswith(".gamma"):
+            value = torch.ones(p.shape)
+        elif name.endswith(".weight"):
+            gain = 0.5 if original.endswith(("residual.6.weight", "proj.weight")) else 1.0
+            value = torch.randn(p.shape, generator=gen) * (gain / math.sqrt(math.prod(p.shape[1:])))
+        else:
+            value = 0.05 * torch.randn(p.shape, generator=gen)
+        state[original] = value
+    os.makedirs(folder, exist_ok=True)
+    torch.save(state, os.path.join(folder, CHECKPOINT_FILE))
+    return folder
 
 
 class WanVideoDecoder:
