@@ -101,7 +101,7 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
 
     cfg = _text_config(folder)
     with torch.device("meta"):
-        full = Qwen3_5TextModel._from_config(cfg)
+        full = Qwen3_5TextModel(cfg)
     prefix, files = _checked_names(
         folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}
     )
@@ -109,7 +109,7 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     cfg = copy.deepcopy(cfg)
     cfg.num_hidden_layers, cfg.layer_types = total - 2, list(cfg.layer_types)[: total - 2]
     with torch.device("meta"):
-        model = Qwen3_5TextModel._from_config(cfg)
+        model = Qwen3_5TextModel(cfg)
     model.norm = torch.nn.Identity()  # the feature is taken before the final norm
     wanted = model.state_dict().keys()
     state = {}

@@ -75,13 +75,3 @@ def check_tensors(
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
 
-
-def load_checked(
-    module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str
-) -> torch.nn.Module:
-    """Check ``state`` against ``module.state_dict()`` (names and shapes) with
-    `check_tensors`, then copy it in (cast to each parameter's dtype). Returns ``module``."""
-    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    check_tensors(state, expected, source)
-    module.load_state_dict(dict(state), strict=True)
-    return module
