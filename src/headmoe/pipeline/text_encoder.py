@@ -1,0 +1,192 @@
+"""MAGI-2's text encoder: ``transformers``' ``Qwen3_5TextModel`` + ``AutoTokenizer``.
+
+The feature is ``hidden_states[-3]`` of the full model, i.e. the output of decoder layer
+``L - 3`` (0-based) of ``L``. Only that much is computed: the model keeps its first
+``L - 2`` layers (the last two are never built or loaded) and the final norm is skipped, so
+``last_hidden_state`` *is* the feature. Prompts are raw text (no chat template), tokenized
+with the tokenizer's defaults, truncated at 7000 tokens, right-padded in batches; features
+come out in the model dtype (bf16 for the release, 5120-d).
+
+`build_tiny_text_encoder` writes a tiny random Qwen3.5 text model and a byte-level BPE
+tokenizer trained offline on `TINY_CORPUS` to a folder in the Hugging Face format, the same
+files a real ``text_encoder/`` holds, deterministically.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from headmoe.pipeline.weights import check_tensors
+
+MAX_TOKENS = 7000
+FEATURE_LAYER = -3  # hidden_states index of the feature
+
+
+@dataclass
+class TextFeatures:
+    """One batch: ``features [B, L_max, C]`` (model dtype, zero after each prompt's end),
+    ``mask [B, L_max]`` bool, per-prompt ``lengths`` (tokens kept), ``token_counts`` (before
+    truncation) and ``truncated`` flags."""
+
+    features: torch.Tensor
+    mask: torch.Tensor
+    lengths: list[int]
+    token_counts: list[int]
+    truncated: list[bool]
+
+
+TEXT_PREFIXES = ("", "model.", "model.language_model.", "language_model.")
+# Parts of a Qwen3.5 checkpoint that are not the text model (LM head, vision tower, MTP).
+NON_TEXT_PARTS = ("lm_head.", "model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def _text_config(folder: str):
+    """The folder's ``Qwen3_5TextConfig`` (a full Qwen3.5 config nests it as text_config)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+    cfg = getattr(cfg, "text_config", cfg)
+    if cfg.num_hidden_layers < 3:
+        raise ValueError(
+            f"{folder}: text model has {cfg.num_hidden_layers} layers; hidden_states[-3] needs 3+"
+        )
+    return cfg
+
+
+def _weight_files(folder: str) -> dict[str, str]:
+    """name -> safetensors file, from ``model.safetensors`` or its ``.index.json``."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object")
+        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"text encoder folder {folder!r} has no model.safetensors(.index.json)")
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)  # noqa: SIM118
+
+
+def _checked_names(folder: str, expected: dict[str, tuple]) -> tuple[str, dict[str, str]]:
+    """Prefix of the text model in the files, and bare name -> file. Every expected tensor
+    is checked (names and shapes, all layers) before anything is read."""
+    where = _weight_files(folder)
+    prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in where), None)
+    if prefix is None:
+        raise ValueError(f"{folder}: no embed_tokens.weight under any of {TEXT_PREFIXES}")
+    found, by_file = {}, {}
+    for name, file in where.items():
+        if name.startswith(prefix) and not name.startswith(NON_TEXT_PARTS):
+            by_file.setdefault(file, []).append(name)
+        elif not name.startswith(NON_TEXT_PARTS):
+            found[name] = ()  # reported as unexpected
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            found.update({n: tuple(f.get_slice(n).get_shape()) for n in names})
+    check_tensors(found, {prefix + k: v for k, v in expected.items()}, f"{folder} (text model)")
+    return prefix, {n.removeprefix(prefix): where[n] for n in found}
+
+
+def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, int]:
+    """``Qwen3_5TextModel`` with the first ``L - 2`` layers and no final norm; ``L``."""
+    from transformers import Qwen3_5TextModel
+
+    cfg = _text_config(folder)
+    with torch.device("meta"):
+        full = Qwen3_5TextModel(cfg)
+    prefix, files = _checked_names(
+        folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}
+    )
+    total = cfg.num_hidden_layers
+    cfg = copy.deepcopy(cfg)
+    cfg.num_hidden_layers, cfg.layer_types = total - 2, list(cfg.layer_types)[: total - 2]
+    with torch.device("meta"):
+        model = Qwen3_5TextModel(cfg)
+    model.norm = torch.nn.Identity()  # the feature is taken before the final norm
+    wanted = model.state_dict().keys()
+    state = {}
+    for file in sorted({files[k] for k in wanted}):
+        with safe_open(file, framework="pt") as f:
+            for k in wanted:
+                if files[k] == file:
+                    state[k] = f.get_tensor(prefix + k).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    with torch.device(device):  # non-persistent buffers (rotary inv_freq) are rebuilt
+        model.rotary_emb = type(model.rotary_emb)(config=cfg)
+    return model, total
+
+
+class Qwen35TextEncoder:
+    """`headmoe.pipeline.encoders.TextEncoder` over a (truncated) ``Qwen3_5TextModel``.
+
+    Construct with `from_folder`. ``encode(text) -> [L, C]`` float32 (model-dtype values);
+    `encode_batch` gives the batched form with the truncation report."""
+
+    def __init__(self, model, tokenizer, total_layers: int, max_tokens: int = MAX_TOKENS):
+        self.model, self.tokenizer = model, tokenizer
+        self.total_layers, self.max_tokens = total_layers, max_tokens
+        self.out_channels = int(model.config.hidden_size)
+        if tokenizer.pad_token_id is None:
+            raise ValueError("text encoder tokenizer has no pad token")
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder: str | os.PathLike,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        max_tokens: int = MAX_TOKENS,
+    ) -> Qwen35TextEncoder:
+        """Load ``config.json``, the safetensors weights (``model.safetensors`` or an index;
+        the text model may sit under ``model.`` / ``model.language_model.``, LM head, vision
+        and MTP tensors are skipped by name) and the tokenizer files from ``folder``,
+        offline. All tensors are checked by name and shape first; the last two decoder
+        layers and the final norm are then not read."""
+        from transformers import AutoTokenizer
+
+        folder = os.fspath(folder)
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise ValueError(f"text encoder folder {folder!r} has no config.json")
+        model, total = _load_truncated(folder, dtype, device)
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        return cls(model.eval(), tok, total, max_tokens)
+
+    def tokenize(self, text: str) -> tuple[list[int], int]:
+        """Token ids (at most ``max_tokens``; "" becomes one pad token) and the count before
+        truncation."""
+        ids = self.tokenizer(text)["input_ids"]
+        count = len(ids)
+        ids = ids[: self.max_tokens] or [self.tokenizer.pad_token_id]
+        return ids, count
+
+    @torch.no_grad()
+    def encode_batch(self, texts: list[str]) -> TextFeatures:
+        """Right-padded batch through the first ``L - 2`` layers: ``hidden_states[-3]``."""
+        toks = [self.tokenize(t) for t in texts]
+        lengths = [len(ids) for ids, _ in toks]
+        width = max(lengths)
+        device = self.model.embed_tokens.weight.device
+        ids = torch.full((len(texts), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(texts), width, dtype=torch.bool)
+        for b, (row, _) in enumerate(toks):
+            ids[b, : len(row)] = torch.tensor(row)
+            mask[b, : len(row)] = True
+        out = self.model(
+            input_ids=ids.to(device), attention_mask=mask.long().to(device), use_cache=False
+        ).last_hidden_state
+        feats = out.masked_fill(~mask.to(device)[..., None], 0).cpu()
+        counts = [c for _, c in toks]
+        return TextFeatures(feats, mask, lengths, counts, [c > self.max_tokens for c in counts])
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``[L_text, out_channels]`` float32, ``1 <= L_text <= max_tokens``."""
+        res = self.encode_batch([text])
+        return res.features[0, : res.lengths[0]].float()
