@@ -8,9 +8,15 @@ from safetensors.torch import save_file
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.topology import plan_topology
-from headmoe.moe import MoEConfig, MultiHeadMoE, moe_row_slice, plan_dispatch, read_moe_rows
+from headmoe.moe import (
+    MoEConfig,
+    MultiHeadMoE,
+    moe_row_slice,
+    plan_dispatch,
+    read_moe_rows,
+    resolve_exchange,
+)
 from headmoe.moe.experts import experts_reference
-from headmoe.moe.layer import resolve_exchange
 from tests.moe.common import full_state, oracle
 
 CFG = MoEConfig(hidden_size=48, num_heads=3, num_experts=4, top_k=2,

@@ -21,42 +21,25 @@ Buffer ownership with an `ExchangeWorkspace`: see that class.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-REPLICA_POLICIES: tuple[str, ...] = ("run_totals", "balanced")
+from headmoe.distributed.sharding import (
+    REPLICA_POLICIES,
+    _is_int,
+    replica_token_counts,
+)
+from headmoe.distributed.sharding import check_counts as _check_counts
 
 
 class ExchangeCounters(Protocol):
     """What the exchanges record into (`headmoe.distributed.counters.Counters` fits)."""
 
     def record_exchange(self, kind: str, bytes_sent: int, bytes_received: int) -> None: ...
-
-
-# ---------------------------------------------------------------------------- validation
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_counts(name: str, counts: Any) -> tuple[int, ...]:
-    if not isinstance(counts, tuple) or not counts:
-        raise ValueError(f"{name} must be a non-empty tuple of ints, got {counts!r}")
-    for i, c in enumerate(counts):
-        if not _is_int(c) or c < 0:
-            raise ValueError(f"{name}[{i}] must be a non-negative int, got {c!r}")
-    return counts
-
-
-def _check_replicas(replicas: Any, world: int) -> int:
-    if not _is_int(replicas) or replicas < 1 or world % replicas:
-        raise ValueError(
-            f"replicas must be a positive int dividing the group size {world}, got {replicas!r}"
-        )
-    return replicas
 
 
 # ---------------------------------------------------------------------------- layout
@@ -163,56 +146,6 @@ class HeadLayout:
     def send_counts(self) -> tuple[int, ...]:
         """Tokens this rank sends to each owner rank in `scatter_heads` (rank order)."""
         return tuple(self.local_parts[dst // self.shards] for dst in range(self.world_size))
-
-
-def replica_token_counts(
-    token_counts: tuple[int, ...], replicas: int, policy: str = "run_totals"
-) -> tuple[tuple[int, ...], ...]:
-    """Cut every rank's tokens into `replicas` contiguous parts (the `replica_counts` of a
-    `HeadLayout`). The owners of part p are ranks `[p*shards, (p+1)*shards)`, each receiving
-    part p of every rank.
-
-    - "run_totals": part p summed over ranks equals the tokens of EP run p (ranks
-      `[p*shards, (p+1)*shards)`), so each owner computes as many rows as inside its run.
-    - "balanced": the part totals differ by at most one token (leading parts get the extra).
-
-    Both start from a balanced split of each rank (leading parts get the remainder) and move
-    whole tokens between parts of one rank, leading ranks first, until the totals match.
-    Pure, deterministic and cached. Raises `ValueError` for bad counts, a `replicas` that is
-    not a positive int dividing the group size, or an unknown policy.
-    """
-    counts = _check_counts("token_counts", token_counts)
-    _check_replicas(replicas, len(counts))
-    if policy not in REPLICA_POLICIES:
-        raise ValueError(f"policy must be one of {REPLICA_POLICIES}, got {policy!r}")
-    return _replica_parts(counts, replicas, policy)
-
-
-@lru_cache(maxsize=1024)
-def _replica_parts(
-    counts: tuple[int, ...], replicas: int, policy: str
-) -> tuple[tuple[int, ...], ...]:
-    shards = len(counts) // replicas
-    total = sum(counts)
-    if policy == "run_totals":
-        target = [sum(counts[p * shards : (p + 1) * shards]) for p in range(replicas)]
-    else:
-        target = [total // replicas + (p < total % replicas) for p in range(replicas)]
-    parts = [[n // replicas + (p < n % replicas) for p in range(replicas)] for n in counts]
-    # need[p] > 0: part p is short of tokens; < 0: it has too many. Each move shrinks |need|
-    # on both sides, so a surplus part only loses tokens; when a rank is done, every surplus
-    # part is empty there, hence no surplus survives the last rank.
-    need = [target[p] - sum(row[p] for row in parts) for p in range(replicas)]
-    for row in parts:
-        for src in range(replicas):
-            for dst in range(replicas):
-                if need[src] < 0 < need[dst]:
-                    m = min(row[src], -need[src], need[dst])
-                    row[src] -= m
-                    row[dst] += m
-                    need[src] += m
-                    need[dst] -= m
-    return tuple(tuple(row) for row in parts)
 
 
 # ---------------------------------------------------------------------------- workspace

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from headmoe.config import ParallelConfig, check_positive_int
+from headmoe.distributed.sharding import ep_coords
 
 AXES: tuple[str, ...] = ("tp", "sp", "cfg", "dp", "ep")
 
@@ -82,7 +83,7 @@ class Topology:
         cfg = rest % self.cfg
         dp = rest // self.cfg
         if self.expert_parallel_style == "head":
-            ep, ep_run = sp % self.expert_parallel_size, sp // self.expert_parallel_size
+            ep, ep_run = ep_coords(sp, self.expert_parallel_size)
         else:
             ep, ep_run = (rank if self.expert_parallel_size > 1 else 0), 0
         return Coords(tp=tp, sp=sp, cfg=cfg, dp=dp, ep=ep, ep_run=ep_run)

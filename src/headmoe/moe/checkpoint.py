@@ -1,8 +1,7 @@
 """Which rows of the full (head, expert)-ordered MoE tensors an EP rank holds.
 
-Rank `e` of an EP group of size `ep` owns padded heads `[e*h, (e+1)*h)`, `h = ceil(H/ep)`;
-heads `>= H` are zero padding. Its local tensors have `h*E` rows: the full tensor's rows of
-its real heads first, then zero rows.
+Which heads an EP rank owns is `headmoe.distributed.sharding.head_shard`; its local tensors
+have `h*E` rows: the full tensor's rows of its real heads first, then zero rows.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from headmoe.config import check_positive_int
+from headmoe.distributed.sharding import head_shard
 
 #: MoE tensors with (head, expert) rows, by their name relative to the MoE module
 MOE_ROW_TENSORS: tuple[str, ...] = (
@@ -27,20 +27,13 @@ MOE_ROW_TENSORS: tuple[str, ...] = (
 def moe_row_slice(
     num_heads: int, num_experts: int, ep_size: int, ep_rank: int
 ) -> tuple[int, int, int]:
-    """`(start, stop, local_rows)`: rows `[start, stop)` of a full `[num_heads*num_experts,
-    ...]` tensor fill the first `stop - start` of this EP rank's `local_rows` rows; the
-    remaining rows are zeros (padded heads).
+    """`(start, stop, local_rows)` of EP rank `ep_rank`'s head shard (`head_shard(...).rows`,
+    the one home of the rule): rows `[start, stop)` of a full `[num_heads*num_experts, ...]`
+    tensor fill the first `stop - start` of its `local_rows` rows; the rest are zeros.
 
     Example, 3 heads x 2 experts: EP2 rank 1 -> (4, 6, 4); EP4 rank 3 -> (6, 6, 2)."""
-    for name, value in (("num_heads", num_heads), ("num_experts", num_experts),
-                        ("ep_size", ep_size)):
-        check_positive_int(name, value)
-    if isinstance(ep_rank, bool) or not isinstance(ep_rank, int) or not 0 <= ep_rank < ep_size:
-        raise ValueError(f"ep_rank must be an int in [0, {ep_size}), got {ep_rank!r}")
-    per_rank = -(-num_heads // ep_size)
-    first = min(ep_rank * per_rank, num_heads)
-    last = min((ep_rank + 1) * per_rank, num_heads)
-    return first * num_experts, last * num_experts, per_rank * num_experts
+    check_positive_int("num_experts", num_experts)
+    return head_shard(num_heads, ep_size, ep_rank).rows(num_experts)
 
 
 def fit_rows(

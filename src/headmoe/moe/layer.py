@@ -20,10 +20,14 @@ from headmoe.distributed.exchange import (
     ExchangeWorkspace,
     HeadLayout,
     gather_heads,
-    replica_token_counts,
     scatter_heads,
 )
-from headmoe.moe.checkpoint import MOE_ROW_TENSORS, fit_rows, moe_row_slice
+from headmoe.distributed.sharding import (
+    HeadShard,
+    dispatch_plan,
+    head_shard,
+)
+from headmoe.moe.checkpoint import MOE_ROW_TENSORS, fit_rows
 from headmoe.moe.config import MoEConfig
 from headmoe.moe.experts import experts_grouped
 from headmoe.moe.routing import route
@@ -32,40 +36,13 @@ from headmoe.moe.routing import route
 EXPERTS_BATCH_INVARIANT = True
 
 
-def resolve_exchange(mode: str, sp_size: int, ep_size: int) -> str:
-    """The dispatch group of a configured `moe_exchange` mode: "ep_group" or "sp_group".
-
-    A pure function of the config and topology, so every rank gets the same answer. Without
-    replicas (`ep_size == sp_size`) both groups are the same and the answer is "ep_group".
-    "auto" is "ep_group": the replicated exchange moves (SP-1)/SP instead of (E-1)/E of the
-    rows over more peers and measured slower, while the balanced SP split leaves EP runs
-    within E tokens of each other, so there is no load imbalance for it to fix
-    (measurements in docs/moe.md)."""
-    if mode not in ("auto", "ep_group", "sp_group"):
-        raise ValueError(f"moe_exchange must be 'auto', 'ep_group' or 'sp_group', got {mode!r}")
-    return "sp_group" if mode == "sp_group" and ep_size < sp_size else "ep_group"
-
-
 def plan_dispatch(
     mode: str, sp_counts: tuple[int, ...], sp_rank: int, ep_size: int, batch_invariant: bool
 ) -> tuple[str, HeadLayout]:
-    """`(group axis, layout)` of one MoE exchange: "ep" with the layout of this rank's EP run,
-    or "sp" with replica parts over the whole SP group.
-
-    sp_counts: the token counts of every SP rank in SP order; sp_rank: this rank's SP index;
-    ep_size: E, dividing `len(sp_counts)`. Replica parts are "balanced" when the expert path
-    is batch-invariant, else "run_totals", falling back to the EP group when the EP runs hold
-    different totals."""
-    sp = len(sp_counts)
-    replicas = sp // ep_size
-    runs = [sp_counts[r * ep_size : (r + 1) * ep_size] for r in range(replicas)]
-    if resolve_exchange(mode, sp, ep_size) == "sp_group" and (
-        batch_invariant or len({sum(run) for run in runs}) == 1
-    ):
-        policy = "balanced" if batch_invariant else "run_totals"
-        parts = replica_token_counts(sp_counts, replicas, policy)
-        return "sp", HeadLayout(sp_counts, sp_rank, parts)
-    return "ep", HeadLayout(runs[sp_rank // ep_size], sp_rank % ep_size)
+    """`(group axis, layout)` of one MoE exchange: `headmoe.distributed.sharding.
+    dispatch_plan` (the rule) as the exchange's `HeadLayout`."""
+    p = dispatch_plan(mode, sp_counts, sp_rank, ep_size, batch_invariant)
+    return p.axis, HeadLayout(p.token_counts, p.rank, p.replica_counts)
 
 
 class MoERouter(nn.Module):
@@ -100,6 +77,7 @@ class MultiHeadMoE(nn.Module):
         config: MoEConfig,
         context: ParallelContext | None = None,
         workspace: ExchangeWorkspace | None = None,
+        shard: HeadShard | None = None,
     ):
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -107,19 +85,9 @@ class MultiHeadMoE(nn.Module):
         self.config = config
         self.context = context
         self.workspace = workspace
-        ep_size, ep_rank = 1, 0
-        if context is not None:
-            topo = context.topology
-            if topo.expert_parallel_style != "head":
-                raise ValueError(
-                    "context.topology.expert_parallel_style must be 'head' for "
-                    f"MultiHeadMoE, got {topo.expert_parallel_style!r}"
-                )
-            ep_size, ep_rank = topo.expert_parallel_size, context.coords.ep
-        self.ep_size = ep_size
-        self.row_start, self.row_stop, rows = moe_row_slice(
-            config.num_heads, config.num_experts, ep_size, ep_rank
-        )
+        self.shard = self._checked_shard(context, shard)
+        self.ep_size = self.shard.ep_size
+        self.row_start, self.row_stop, rows = self.shard.rows(config.num_experts)
         e, d, f = config.num_experts, config.head_dim, config.expert_intermediate_size
         self.local_heads = rows // e
         self.real_heads = (self.row_stop - self.row_start) // e
@@ -130,6 +98,33 @@ class MultiHeadMoE(nn.Module):
         self.router = MoERouter(rows)
         self.expert_compute = experts_grouped
         """`(z, experts, weights, W_gate, W_up, W_down) -> y`; `experts_reference` also fits."""
+
+    def _checked_shard(self, context: ParallelContext | None, shard: HeadShard | None
+                       ) -> HeadShard:
+        """The head shard whose weights this layer holds (`shard`, default the context's),
+        checked once against the shard its exchanges deliver to this rank."""
+        heads = self.config.num_heads
+        if context is None:
+            own = shard or head_shard(heads, 1, 0)
+            delivered = head_shard(heads, 1, 0)
+        else:
+            topo = context.topology
+            if topo.expert_parallel_style != "head":
+                raise ValueError(
+                    "context.topology.expert_parallel_style must be 'head' for "
+                    f"MultiHeadMoE, got {topo.expert_parallel_style!r}"
+                )
+            e = topo.expert_parallel_size
+            own = shard or head_shard(heads, e, context.coords.ep)
+            plan = dispatch_plan(context.config.moe_exchange, (1,) * topo.sp, context.coords.sp,
+                                 e, EXPERTS_BATCH_INVARIANT)
+            delivered = head_shard(heads, e, plan.delivered_shard)
+        if own != delivered:
+            raise ValueError(
+                f"MoE weights would hold {own.describe()}, but this rank's exchanges deliver "
+                f"{delivered.describe()}"
+            )
+        return own
 
     # ------------------------------------------------------------------ checkpoint
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

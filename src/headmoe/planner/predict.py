@@ -25,9 +25,10 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.counters import Counters
 from headmoe.distributed.exchange import HeadLayout
+from headmoe.distributed.sharding import sp_token_counts
 from headmoe.distributed.topology import AXES, Topology, plan_topology
 from headmoe.models.magi2.config import Magi2Config, validate_parallel
-from headmoe.models.magi2.model import Magi2Transformer, MoEMLP, sp_token_counts
+from headmoe.models.magi2.model import Magi2Transformer, MoEMLP
 from headmoe.moe import moe_row_slice, plan_dispatch
 from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
 from headmoe.planner.request import RequestShape

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from headmoe.layers.rope import default_bands
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.models.magi2.model import Magi2Transformer
-from headmoe.moe import read_moe_rows
+from headmoe.moe import MultiHeadMoE, read_moe_rows
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MOE_MARKER = ".mlp.moe_mlp."
@@ -187,10 +187,12 @@ def load_checkpoint(
     `max_batch_bytes` (the host holds one batch, not a rank's state). The router biases go
     last, in one batch, so that `bias_from_ema` sees both of each layer."""
     path = os.fspath(path)
-    cfg, ctx = model.config, model.context
+    cfg = model.config
     headers, report = check_checkpoint(cfg, path, model.dtype)
     local = model.state_dict()
-    ep, ep_rank = ctx.topology.expert_parallel_size, ctx.coords.ep
+    shards = {m.shard for m in model.modules() if isinstance(m, MultiHeadMoE)}
+    assert len(shards) <= 1, shards  # every MoE layer of a rank holds the same heads
+    shard = shards.pop() if shards else None
     by_file: dict[str, list[str]] = {}
     for name in local:
         by_file.setdefault(headers[name][0], []).append(name)
@@ -203,7 +205,7 @@ def load_checkpoint(
                 stored = report.prefix + name
                 if MOE_MARKER in name:
                     tensor = read_moe_rows(f, stored, cfg.moe_num_heads, cfg.moe_num_experts,
-                                           ep, ep_rank)
+                                           shard.ep_size, shard.ep_rank)
                 else:
                     tensor = f.get_tensor(stored)
                 tensor = tensor.to(local[name].dtype)

@@ -45,6 +45,7 @@ from headmoe.distributed.exchange import (
     ulysses_heads_to_seq,
     ulysses_qkv_to_heads,
 )
+from headmoe.distributed.sharding import sp_rows, sp_token_counts
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.attention import segment_attention
 from headmoe.layers.linear import Linear, ModalityLinear
@@ -61,13 +62,6 @@ from headmoe.models.magi2.packing import (
     unpack_outputs,
 )
 from headmoe.moe import MoEConfig, MultiHeadMoE
-
-
-def sp_token_counts(length: int, sp: int) -> tuple[int, ...]:
-    """Balanced contiguous split of `length` tokens over `sp` ranks: the first `length % sp`
-    ranks get one extra token. Pure arithmetic, identical on every rank."""
-    base, extra = divmod(length, sp)
-    return tuple(base + (1 if r < extra else 0) for r in range(sp))
 
 
 @dataclass
@@ -356,8 +350,7 @@ class Magi2Transformer(nn.Module):
         packed.validate(self.config)
         ctx = self.context
         counts = sp_token_counts(packed.num_tokens, ctx.config.ulysses_degree)
-        lo = sum(counts[: ctx.coords.sp])
-        hi = lo + counts[ctx.coords.sp]
+        lo, hi = sp_rows(counts, ctx.coords.sp)
         dev = self.pre_adapter.video_embedder.weight.device
         modality = packed.modality[lo:hi]
         groups = [torch.nonzero(modality == m).flatten().to(dev) for m in range(len(MODALITIES))]
