@@ -34,7 +34,8 @@ FAILURE_GRACE_S = 2.0
 
 def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, errors: str) -> None:
     """Spawned rank: run `serve_rank`; on an exception write ``<errors>/rank<k>.txt``
-    (time, traceback) and exit 1."""
+    (time, traceback) and exit 1 (the supervisor prints the traceback of the rank that
+    failed first, not the cascade of peers that lost it)."""
     import torch
 
     from headmoe.serve.worker import serve_rank
@@ -44,12 +45,10 @@ def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, err
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         serve_rank(spec, rank, world_size, init_method)
-    except BaseException:  # noqa: BLE001 - recorded for the supervisor
+    except BaseException:  # noqa: BLE001 - the supervisor prints the first failure's
         text = traceback.format_exc()
         Path(errors, f"rank{rank}.txt").write_text(f"{time.time()!r}\n{text}")
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        os._exit(1)
+        sys.exit(1)
 
 
 def _culprit(procs: list, errors: Path) -> tuple[int, str, str]:

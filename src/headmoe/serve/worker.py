@@ -29,7 +29,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -177,8 +176,9 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     except JobCancelled:
         outcome["status"] = "cancelled"
     except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
-        traceback.print_exc(file=sys.stderr)
         outcome.update(status="failed", message=f"{type(exc).__name__}: {exc}")
+        print(f"headmoe serve: rank {ctx.rank}: {job_id} failed: {outcome['message']}",
+              file=sys.stderr, flush=True)
     outcomes = wire.all_gather_json(outcome, device=device)
     if leader is not None:
         leader.finish(outcomes, result)
