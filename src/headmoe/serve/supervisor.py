@@ -44,7 +44,7 @@ def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, err
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        serve_rank(spec, rank, world_size, init_method)
+        serve_rank(spec, rank, world_size, init_method, supervised=True)
     except BaseException:  # noqa: BLE001 - the supervisor prints the first failure's
         text = traceback.format_exc()
         Path(errors, f"rank{rank}.txt").write_text(f"{time.time()!r}\n{text}")
@@ -80,14 +80,15 @@ def run_local(spec: ServeSpec, world_size: int) -> int:
     stop_by: list[float] = []
 
     def forward(signum: int, frame: object) -> None:
-        if not stop_by and procs[0].pid is not None:
+        if not stop_by:
             stop_by.append(time.monotonic() + spec.drain_timeout_s + 30)
             os.kill(procs[0].pid, signal.SIGTERM)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    old: dict = {}
     try:
         for p in procs:
-            p.start()
+            p.start()  # a signal before the handler: rank 0 sees its parent gone and stops
+        old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
         return _watch(procs, tmp, stop_by)
     finally:
         for s, h in old.items():

@@ -48,14 +48,14 @@ class JobCancelled(Exception):
 class Leader:
     """Rank 0's half of the loop: the store, the HTTP thread, signals and the drain."""
 
-    def __init__(self, spec: ServeSpec, sock: socket.socket):
+    def __init__(self, spec: ServeSpec, sock: socket.socket, *, watch_parent: bool = False):
         self.spec, self.sock = spec, sock
         self.store = JobStore(spec.output_dir, spec.max_queue)
         self.drain_requested = False
         self.drain_deadline: float | None = None
         self.current: Job | None = None
         self._last_step = 0.0
-        self._parent = os.getppid()
+        self._parent = os.getppid() if watch_parent else None
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -90,7 +90,7 @@ class Leader:
         """What every rank does next (see the module docstring)."""
         if self._thread is not None and not self._thread.is_alive():
             raise RuntimeError("the HTTP server thread stopped")
-        if self._parent != 1 and os.getppid() != self._parent:
+        if self._parent is not None and os.getppid() != self._parent:
             self.drain_requested = True  # the supervisor is gone: stop now
             self.drain_deadline = time.monotonic()
         if self.drain_requested and not self.store.draining:
@@ -196,13 +196,16 @@ def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
             run_one(ctx, parts, spec, cmd, leader)
 
 
-def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | None) -> None:
+def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | None, *,
+               supervised: bool = False) -> None:
     """One rank of the server, from joining the world to a drained exit (returns normally).
 
-    ``init_method`` None with ``world_size > 1`` joins from torchrun's environment."""
+    ``init_method`` None with ``world_size > 1`` joins from torchrun's environment.
+    ``supervised``: started by `headmoe.serve.supervisor`, so rank 0 stops if that parent
+    process disappears."""
     leader = None
     if rank == 0:
-        leader = Leader(spec, bind(spec.host, spec.port))
+        leader = Leader(spec, bind(spec.host, spec.port), watch_parent=supervised)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, leader.on_signal)
     else:
