@@ -15,7 +15,9 @@ LONG = {**REQUEST, "num_inference_steps": 500}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_cache):
-    srv = Server(tmp_path_factory.mktemp("api"), tiny_cache, "--api-key", KEY, "--max-queue", "2",
+    tmp = tmp_path_factory.mktemp("api")
+    (tmp / "key").write_text(KEY + "\n")
+    srv = Server(tmp, tiny_cache, "--api-key-file", str(tmp / "key"), "--max-queue", "2",
                  "--drain-timeout", "30")
     yield srv
     srv.stop()
@@ -119,6 +121,11 @@ def test_bad_field_is_422_and_reaches_no_rank(client, change, field, value):
 def test_malformed_body_is_400(client, body):
     r = client.post("/v1/videos", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+
+
+def test_oversized_body_is_413(client):
+    r = client.post("/v1/videos", json={**REQUEST, "prompt": "x" * (2 << 20)})
+    assert r.status_code == 413 and "more than" in r.json()["error"]["message"]
 
 
 def test_missing_prompt_is_422(client):

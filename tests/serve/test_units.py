@@ -28,6 +28,8 @@ from tests.pipeline.fake import fake_components
     (["--drain-timeout", "0"], "--drain-timeout must be > 0 seconds"),
     (["--timeout", "-1"], "--timeout must be > 0"),
     (["--memory-gib", "0.001"], "the model needs an estimated"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file '/nonexistent/key': No such file"),
+    (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),
 ])
 def test_bad_flags_exit_2_before_any_rank(flags, expected, tiny_cache, tmp_path, capsys):
     code = main(["serve", "--cache-dir", str(tiny_cache), "--output-dir", str(tmp_path / "o"),

@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from headmoe.config import MOE_EXCHANGES
@@ -54,6 +55,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file (keeps it out of the process list)")
     p.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429")
     p.add_argument("--output-dir", default="headmoe-videos", help="where <id>.mp4/.json go")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -97,6 +100,13 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.drain_timeout <= 0:
         raise ValueError(f"--drain-timeout must be > 0 seconds, got {args.drain_timeout!r}")
+    if args.api_key_file is not None:
+        if args.api_key is not None:
+            raise ValueError("give --api-key or --api-key-file, not both")
+        try:
+            args.api_key = Path(args.api_key_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty (leave it out for no authentication)")
     spec = ServeSpec(job.parallel, job.model_config, job.checkpoint, args.model, args.dtype,

@@ -84,11 +84,21 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
     return app
 
 
-async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
-    raw = await request.body()
-    try:
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "0")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise RequestError(f"the body has {declared} bytes, more than {MAX_BODY}", None, 413)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
         if len(raw) > MAX_BODY:
-            raise RequestError(f"the body has {len(raw)} bytes, more than {MAX_BODY}", None, 413)
+            raise RequestError(f"the body has more than {MAX_BODY} bytes", None, 413)
+    return bytes(raw)
+
+
+async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
+    try:
+        raw = await _read_body(request)
         job = store.submit(to_generate_request(parse_body(raw), spec))
     except RequestError as exc:
         store.reject(str(exc.status))
