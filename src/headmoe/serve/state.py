@@ -144,11 +144,6 @@ class JobStore:
             job.status, job.started_at = "in_progress", time.time()
             return job
 
-    def wake(self) -> None:
-        """Cut a `next_job` wait short (a signal arrived)."""
-        with self._wake:
-            self._wake.notify_all()
-
     def record_step(self, job: Job, done: int, seconds: float) -> bool:
         """Note step ``done`` of ``job`` (``seconds`` long); True if it must stop now."""
         with self._lock:

@@ -23,6 +23,7 @@ signals and follow rank 0.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -60,8 +61,9 @@ class Leader:
         self._thread: threading.Thread | None = None
 
     def on_signal(self, signum: int, frame: Any) -> None:
+        # only a flag: the handler runs in the main thread, maybe inside a store method
+        # holding its lock; the loop sees the flag within a tick or a step
         self.drain_requested = True
-        self.store.wake()
 
     def start_http(self) -> None:
         """Serve the API on ``self.sock`` from a daemon thread."""
@@ -123,8 +125,6 @@ class Leader:
 
     def finish(self, outcomes: list[dict[str, Any]], result: dict[str, Any] | None) -> None:
         """End the current job from every rank's outcome (``{"rank", "status", "message"}``)."""
-        import json
-
         job, self.current = self.current, None
         failed = [o for o in outcomes if o["status"] == "failed"]
         if failed:
