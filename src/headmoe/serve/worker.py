@@ -40,6 +40,7 @@ from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import ID_PATTERN, Job, JobStore
+from headmoe.serve.validate import estimate_rank_bytes
 
 
 class JobCancelled(Exception):
@@ -217,12 +218,13 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         ctx = ParallelContext.initialize(spec.parallel, rank=rank, world_size=world_size,
                                          init_method=init_method,
                                          timeout=timedelta(seconds=spec.timeout_s))
+    template = spec.job(GenerateRequest(prompt="", dtype=spec.dtype), None, {})
     try:
         if leader is not None:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+            estimate_rank_bytes(spec, template.request)  # cache the planner's weight bytes
             leader.start_http()  # /health says "loading" until the model is in
         t0 = time.perf_counter()
-        template = spec.job(GenerateRequest(prompt="", dtype=spec.dtype), None, {})
         parts = build_components(ctx, template)
         if leader is not None:
             _announce(leader, time.perf_counter() - t0, ctx)
