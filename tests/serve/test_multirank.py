@@ -88,3 +88,22 @@ def test_killed_rank_ends_the_server_naming_it(tmp_path, tiny_cache):
         assert not list(srv.output_dir.glob(f"{vid}*"))
     finally:
         srv.stop()
+
+
+def test_hung_rank_ends_the_server_after_the_timeout(tmp_path, tiny_cache):
+    srv = Server(tmp_path, tiny_cache, "--nproc", "2", "--ulysses-degree", "2", "--timeout", "5")
+    try:
+        with srv.client() as client:
+            vid = client.post("/v1/videos", json=LONG).json()["id"]
+            wait_for(client, vid, lambda j: j["steps_completed"] >= 1)
+        ranks = srv.worker_pids()
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = srv.wait(timeout=60)
+        assert code == 1 and time.monotonic() - t0 < 40, srv.log()
+        lines = [x for x in srv.err.decode().splitlines()
+                 if x.startswith("headmoe serve: rank 0 failed")]
+        assert len(lines) == 1 and "Timed out" in lines[0], srv.log()
+        assert "rank(s) [1] still running, killed: hung?" in lines[0]
+    finally:
+        srv.stop()

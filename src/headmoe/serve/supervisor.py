@@ -7,7 +7,8 @@ fresh temp folder; on CPU ``cpu_count // world_size`` torch threads each) that r
 - every rank exited 0 (a drained stop): return 0;
 - a rank died or failed: wait a moment for the others to notice, stop the rest, print one
   line naming the rank that went first (killed by a signal, or the earliest recorded
-  exception, whose traceback goes to stderr above it) and return 1;
+  exception, whose traceback goes to stderr above it) and any rank still running then (a
+  hung rank: its peers failed on the collective timeout), and return 1;
 - SIGTERM or SIGINT here: forwarded once to rank 0, which drains; if the ranks are not all
   gone ``drain_timeout_s + 30`` s later they are killed and the return is 1.
 """
@@ -110,10 +111,12 @@ def _watch(procs: list, errors: Path, stop_by: list[float]) -> int:
             while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
             rank, reason, text = _culprit(procs, errors)
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
             if text:
                 sys.stderr.write(text)
-            print(f"headmoe serve: rank {rank} {reason}; the server stopped", file=sys.stderr,
-                  flush=True)
+            also = f" (rank(s) {hung} still running, killed: hung?)" if hung else ""
+            print(f"headmoe serve: rank {rank} {reason}{also}; the server stopped",
+                  file=sys.stderr, flush=True)
             return 1
         if stop_by and time.monotonic() > stop_by[0]:
             alive = [r for r, p in enumerate(procs) if p.is_alive()]
