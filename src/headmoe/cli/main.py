@@ -9,7 +9,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: tuple[str, ...] = ("headmoe.cli.generate", "headmoe.cli.plan", "headmoe.cli.compare")
+SUBCOMMANDS: tuple[str, ...] = (
+    "headmoe.cli.generate",
+    "headmoe.cli.plan",
+    "headmoe.cli.compare",
+    "headmoe.cli.serve",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -232,10 +232,33 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
     Returns ``{"rank", "dp_index", "seed", "video_sha256", "audio_sha256", "output",
     "sidecar", "step_times_s"}``; the hashes are those of the decoded uint8 frames
     ``[F, H, W, 3]`` and int16 audio ``[channels, samples]`` on the DP group's writer, None
-    on other ranks. Bad inputs raise `ValueError` before any collective."""
+    on other ranks. Bad inputs raise `ValueError` before any collective. Equivalent to
+    `run_request` over `build_components` (whose time counts in the sidecar's ``total_s``)."""
     t_start = time.perf_counter()
+    return run_request(ctx, job, build_components(ctx, job), t_start=t_start)
+
+
+def build_components(ctx: ParallelContext, job: GenerateJob) -> Components:
+    """The components ``job`` runs with (``job.components`` or `magi2_components`): built
+    once, they serve any number of `run_request` calls of the same model, layout and
+    dtype."""
+    return (job.components or magi2_components)(ctx, job)
+
+
+def run_request(
+    ctx: ParallelContext,
+    job: GenerateJob,
+    parts: Components,
+    *,
+    on_step: Callable[[int, int], None] | None = None,
+    t_start: float | None = None,
+) -> dict[str, Any]:
+    """`run_job` with prebuilt ``parts`` (see `build_components`). ``on_step(done, total)``
+    runs on every rank after each denoising step; whatever it raises aborts the request
+    before anything is written (for cancellation it must decide the same on every rank).
+    ``t_start`` (a `time.perf_counter` value, default now) starts the sidecar's ``total_s``."""
+    t_start = time.perf_counter() if t_start is None else t_start
     req, topo, coords = job.request, ctx.topology, ctx.coords
-    parts = (job.components or magi2_components)(ctx, job)
     shape = parts.video_decoder.latent_shape(req.num_frames, req.height, req.width)
     num_samples = req.audio_samples(parts.audio_decoder.sample_rate)
     t_audio = parts.audio_decoder.latent_length(req.duration_s)
@@ -272,6 +295,8 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
         xa = samp_a.step(i, xa, cfg_combine(ac, au, req.audio_guidance_scale))
         step_times.append(time.perf_counter() - t0)
         bar.update(1)
+        if on_step is not None:
+            on_step(i + 1, req.num_inference_steps)
     bar.close()
     mine_info = {
         "rank": ctx.rank,

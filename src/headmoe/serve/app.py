@@ -1,0 +1,176 @@
+"""The FastAPI application of ``headmoe serve`` over rank 0's `JobStore`.
+
+Endpoints (JSON unless stated; errors are ``{"error": {"message", "type", "param",
+"code"}}``):
+
+- ``POST /v1/videos``: validate (`headmoe.serve.validate`) and queue; the job object,
+  ``status: "queued"``. 400 malformed body, 422 a bad field (named with its value), 429
+  queue full, 503 draining.
+- ``POST /v1/videos/sync``: the same, then waits and returns the mp4 (``video/mp4``, headers
+  ``X-Video-Id``, ``X-Video-Sha256``, ``X-Audio-Sha256``); a failed job gives 500, a
+  cancelled one 409.
+- ``GET /v1/videos``: ``{"object": "list", "data": [job, ...]}`` in submission order.
+- ``GET /v1/videos/{id}``: the job (404 unknown id).
+- ``GET /v1/videos/{id}/content``: the mp4 (404 until completed).
+- ``DELETE /v1/videos/{id}``: cancel a queued or in-progress job (the job object); for a
+  finished job delete it and its files (``{"id", "object": "video.deleted", "deleted"}``).
+- ``GET /health`` (never authenticated): 200 ``{"status": "ok"}``; 503 while loading or
+  draining. ``GET /metrics``: Prometheus text.
+
+With an API key every endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (401
+otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+
+from headmoe.serve.spec import ServeSpec
+from headmoe.serve.state import Draining, Job, JobStore, QueueFull
+from headmoe.serve.validate import RequestError, parse_body, to_generate_request
+
+#: the largest request body read (bytes)
+MAX_BODY = 1 << 20
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
+
+
+def error(status: int, message: str, param: str | None = None,
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style error response."""
+    body = {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _Refused(Exception):
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
+def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
+    """The application; ``spec`` gives the API key and the validation rules."""
+    app = FastAPI(title="headmoe serve", version="1")
+
+    @app.exception_handler(_Refused)
+    async def _refused(request: Request, exc: _Refused) -> JSONResponse:
+        return exc.response
+
+    async def auth(request: Request) -> None:
+        if spec.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), spec.api_key.encode()
+        ):
+            store.reject("401")
+            raise _Refused(error(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                 headers={"WWW-Authenticate": "Bearer"}))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        state = "draining" if store.draining else "ok" if store.ready else "loading"
+        return JSONResponse({"status": state}, status_code=200 if state == "ok" else 503)
+
+    api = APIRouter(dependencies=[Depends(auth)])
+    _add_video_routes(api, store, spec)
+    app.include_router(api)
+    return app
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "0")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise RequestError(f"the body has {declared} bytes, more than {MAX_BODY}", None, 413)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise RequestError(f"the body has more than {MAX_BODY} bytes", None, 413)
+    return bytes(raw)
+
+
+async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
+    try:
+        raw = await _read_body(request)
+        job = store.submit(to_generate_request(parse_body(raw), spec))
+    except RequestError as exc:
+        store.reject(str(exc.status))
+        raise _Refused(error(exc.status, exc.message, exc.param)) from None
+    except QueueFull as exc:
+        store.reject("429")
+        raise _Refused(error(429, str(exc))) from None
+    except Draining as exc:
+        store.reject("503")
+        raise _Refused(error(503, str(exc))) from None
+    return job
+
+
+def _lookup(store: JobStore, video_id: str) -> Job:
+    job = store.get(video_id)
+    if job is None:
+        raise _Refused(error(404, f"no video with id {video_id!r}", "id"))
+    return job
+
+
+def _add_video_routes(api: APIRouter, store: JobStore, spec: ServeSpec) -> None:
+    @api.post("/v1/videos")
+    async def create(request: Request) -> JSONResponse:
+        return JSONResponse(store.view(await _submit(request, store, spec)))
+
+    @api.post("/v1/videos/sync")
+    async def create_sync(request: Request):
+        job = await _submit(request, store, spec)
+        while not job.done.is_set():
+            await asyncio.sleep(0.05)
+        if job.status == "completed":
+            return _content(store, job)
+        return error(500 if job.status == "failed" else 409,
+                     f"video {job.id} {job.status}: {job.error}")
+
+    @api.get("/v1/videos")
+    async def list_videos() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [store.view(j) for j in store.jobs()]})
+
+    @api.get("/v1/videos/{video_id}")
+    async def retrieve(video_id: str) -> JSONResponse:
+        return JSONResponse(store.view(_lookup(store, video_id)))
+
+    @api.get("/v1/videos/{video_id}/content")
+    async def content(video_id: str):
+        job = _lookup(store, video_id)
+        if job.status != "completed":
+            return error(404, f"video {job.id} is {job.status}; its content exists once "
+                              "it is completed", "id")
+        return _content(store, job)
+
+    @api.delete("/v1/videos/{video_id}")
+    async def delete(video_id: str) -> JSONResponse:
+        job = _lookup(store, video_id)
+        if job.done.is_set():
+            store.forget(job)
+            return JSONResponse({"id": job.id, "object": "video.deleted", "deleted": True})
+        store.cancel(job)
+        return JSONResponse(store.view(job))
+
+    @api.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(store.metrics_text(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _content(store: JobStore, job: Job) -> FileResponse:
+    result = job.result or {}
+    return FileResponse(
+        store.output_path(job.id),
+        media_type="video/mp4",
+        filename=f"{job.id}.mp4",
+        headers={"X-Video-Id": job.id, "X-Video-Sha256": str(result.get("video_sha256")),
+                 "X-Audio-Sha256": str(result.get("audio_sha256"))},
+    )

@@ -1,0 +1,78 @@
+"""`ServeSpec`: the deployment a server runs (what ``headmoe serve``'s flags fix).
+
+It is built and validated by the launching process and travels to every rank (pickled by
+the spawn start method: a server-built object, never client data).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from headmoe.config import ParallelConfig, check_positive_int
+from headmoe.pipeline.job import GenerateJob
+from headmoe.pipeline.request import DTYPES, GenerateRequest
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """One server's fixed deployment.
+
+    ``model_config`` is a `Magi2Config` and ``checkpoint`` its weights (`resolve_model`);
+    ``model`` is the ``--model`` value a request's optional ``model`` field must equal.
+    ``memory_bytes`` is the per-rank budget of the memory estimate (None: no check).
+    ``timeout_s`` bounds every collective; ``drain_timeout_s`` how long SIGTERM lets the
+    current job run before cancelling it; ``tick_s`` how often idle ranks hear from rank 0.
+    """
+
+    parallel: ParallelConfig
+    model_config: Any
+    checkpoint: str
+    model: str
+    dtype: str
+    output_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 16
+    timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    memory_bytes: int | None = None
+    tick_s: float = 0.5
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.parallel.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={self.parallel.data_parallel_size}: serve runs each "
+                "request over the whole world; it must be 1"
+            )
+        check_positive_int("max_queue", self.max_queue)
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
+        for name in ("timeout_s", "drain_timeout_s", "tick_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it out for no authentication)")
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    def job(self, request: GenerateRequest, output: str | None, extra: dict[str, Any]) -> GenerateJob:
+        """The `GenerateJob` of ``request`` under this deployment (no progress bar)."""
+        return GenerateJob(
+            request,
+            self.parallel,
+            self.model_config,
+            self.checkpoint,
+            output,
+            timeout_s=self.timeout_s,
+            progress=False,
+            extra=extra,
+        )

@@ -1,0 +1,234 @@
+"""`JobStore`: rank 0's table of video jobs, its bounded queue and its metrics.
+
+Two threads share it: the HTTP server's (submit, look up, cancel) and the rank loop's (take
+the next job, record steps, finish). Every method takes one lock briefly; nothing blocks
+while holding it.
+
+Job ids are server-generated, ``video_<32 hex digits>`` (`ID_PATTERN`); a job's files are
+``<output_dir>/<id>.mp4`` and ``<id>.json``, and `JobStore.output_path` refuses anything
+that is not such an id, so no client string ever becomes a path.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from headmoe.pipeline.request import GenerateRequest
+
+STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
+#: upper bounds (seconds) of the step-time histogram's buckets
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class QueueFull(RuntimeError):
+    """The queue holds ``max_queue`` jobs already (HTTP 429)."""
+
+
+class Draining(RuntimeError):
+    """The server is shutting down and takes no new jobs (HTTP 503)."""
+
+
+@dataclass
+class Job:
+    """One request's life: ``status`` in `STATUSES`; ``steps_done`` of
+    ``request.num_inference_steps``; ``result`` the sidecar once completed."""
+
+    id: str
+    request: GenerateRequest
+    created_at: int
+    status: str = "queued"
+    steps_done: int = 0
+    cancel_requested: bool = False
+    error: str | None = None
+    started_at: float | None = None
+    completed_at: int | None = None
+    result: dict[str, Any] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class JobStore:
+    """Jobs by id (insertion order), the queue of queued ids (at most ``max_queue``), the
+    draining flag and the counters behind ``/metrics``."""
+
+    def __init__(self, output_dir: str | Path, max_queue: int):
+        self.output_dir = Path(output_dir).resolve()
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._jobs: dict[str, Job] = {}
+        self._queue: deque[str] = deque()
+        self.draining = False
+        self.ready = False
+        self.model_loads = 0
+        self.model_load_s: float | None = None
+        self.model_loaded_at: float | None = None
+        self._finished: Counter[str] = Counter()
+        self._rejected: Counter[str] = Counter()
+        self._step_hist = [0] * (len(STEP_BUCKETS) + 1)
+        self._step_sum = 0.0
+
+    # ------------------------------------------------------------------ HTTP side
+    def submit(self, request: GenerateRequest) -> Job:
+        """Queue ``request`` as a new job; raises `Draining` or `QueueFull`."""
+        with self._lock:
+            if self.draining:
+                raise Draining("the server is shutting down and takes no new jobs")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
+            job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()))
+            self._jobs[job.id] = job
+            self._queue.append(job.id)
+            self._finished["queued"] += 1
+            self._wake.notify_all()
+            return job
+
+    def get(self, job_id: str) -> Job | None:
+        """The job of ``job_id``, None for an unknown or malformed id."""
+        if not ID_PATTERN.fullmatch(job_id):
+            return None
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def jobs(self) -> list[Job]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def cancel(self, job: Job) -> None:
+        """Cancel a queued job now; ask an in-progress one to stop at its next step."""
+        with self._lock:
+            if job.status == "queued":
+                self._queue.remove(job.id)
+                self._end(job, "cancelled", "cancelled by request")
+            elif job.status == "in_progress":
+                job.cancel_requested = True
+
+    def forget(self, job: Job) -> None:
+        """Drop a finished job and delete its files."""
+        with self._lock:
+            self._jobs.pop(job.id, None)
+        for path in (self.output_path(job.id), self.output_path(job.id).with_suffix(".json")):
+            path.unlink(missing_ok=True)
+
+    def reject(self, reason: str) -> None:
+        """Count a request refused before queueing (``reason``: its HTTP status)."""
+        with self._lock:
+            self._rejected[reason] += 1
+
+    def output_path(self, job_id: str) -> Path:
+        """``<output_dir>/<job_id>.mp4``; `ValueError` unless ``job_id`` is a server id."""
+        if not ID_PATTERN.fullmatch(job_id):
+            raise ValueError(f"job id must match {ID_PATTERN.pattern}, got {job_id!r}")
+        path = (self.output_dir / f"{job_id}.mp4").resolve()
+        if path.parent != self.output_dir:
+            raise ValueError(f"job id {job_id!r} escapes the output folder")
+        return path
+
+    # ------------------------------------------------------------------ rank-0 loop side
+    def next_job(self, timeout: float) -> Job | None:
+        """Take the oldest queued job (now in progress), waiting up to ``timeout`` s."""
+        with self._wake:
+            if not self._queue:
+                self._wake.wait(timeout)
+            if not self._queue or self.draining:
+                return None
+            job = self._jobs[self._queue.popleft()]
+            job.status, job.started_at = "in_progress", time.time()
+            return job
+
+    def record_step(self, job: Job, done: int, seconds: float) -> bool:
+        """Note step ``done`` of ``job`` (``seconds`` long); True if it must stop now."""
+        with self._lock:
+            job.steps_done = done
+            self._step_sum += seconds
+            slot = next((i for i, b in enumerate(STEP_BUCKETS) if seconds <= b), len(STEP_BUCKETS))
+            self._step_hist[slot] += 1
+            return job.cancel_requested
+
+    def finish(self, job: Job, status: str, error: str | None, result: dict | None) -> None:
+        """End an in-progress job with ``status`` (a terminal one)."""
+        with self._lock:
+            job.result = result
+            self._end(job, status, error)
+
+    def start_drain(self) -> list[Job]:
+        """Take no new jobs; cancel the queued ones. Returns the job in progress, if any."""
+        with self._lock:
+            self.draining = True
+            while self._queue:
+                self._end(self._jobs[self._queue.popleft()], "cancelled", "server shutting down")
+            self._wake.notify_all()
+            return [j for j in self._jobs.values() if j.status == "in_progress"]
+
+    def _end(self, job: Job, status: str, error: str | None) -> None:
+        job.status, job.error, job.completed_at = status, error, int(time.time())
+        self._finished[status] += 1
+        job.done.set()
+
+    # ------------------------------------------------------------------ views
+    def view(self, job: Job) -> dict[str, Any]:
+        """The JSON object of ``job`` (``GET /v1/videos/{id}``)."""
+        with self._lock:
+            req, total = job.request, job.request.num_inference_steps
+            out: dict[str, Any] = {
+                "id": job.id,
+                "object": "video",
+                "status": job.status,
+                "created_at": job.created_at,
+                "completed_at": job.completed_at,
+                "progress": round(100 * job.steps_done / total),
+                "steps_completed": job.steps_done,
+                "num_inference_steps": total,
+                "cancel_requested": job.cancel_requested,
+                "error": None if job.error is None else {"message": job.error},
+                "request": req.to_dict(),
+                "size": f"{req.width}x{req.height}",
+                "seconds": req.duration_s,
+            }
+            if job.result is not None:
+                keep = ("video_sha256", "audio_sha256", "seed", "step_times_s", "total_s",
+                        "media", "layout", "server")
+                out.update({k: job.result.get(k) for k in keep})
+            return out
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition (version 0.0.4) of the server's counters."""
+        with self._lock:
+            queued = len(self._queue)
+            running = sum(j.status == "in_progress" for j in self._jobs.values())
+            lines = [
+                "# HELP headmoe_requests_total Jobs accepted (queued) and ended, by status.",
+                "# TYPE headmoe_requests_total counter",
+                *(f'headmoe_requests_total{{status="{s}"}} {self._finished[s]}'
+                  for s in ("queued", *sorted(TERMINAL))),
+                "# HELP headmoe_requests_rejected_total Requests refused before queueing.",
+                "# TYPE headmoe_requests_rejected_total counter",
+                *(f'headmoe_requests_rejected_total{{code="{c}"}} {n}'
+                  for c, n in sorted(self._rejected.items())),
+                "# HELP headmoe_queue_length Jobs waiting in the queue.",
+                "# TYPE headmoe_queue_length gauge",
+                f"headmoe_queue_length {queued}",
+                "# HELP headmoe_jobs_in_progress Jobs running on the ranks.",
+                "# TYPE headmoe_jobs_in_progress gauge",
+                f"headmoe_jobs_in_progress {running}",
+                "# HELP headmoe_model_loads_total Times the ranks built and loaded the model.",
+                "# TYPE headmoe_model_loads_total counter",
+                f"headmoe_model_loads_total {self.model_loads}",
+                "# HELP headmoe_step_seconds Denoising step time on rank 0.",
+                "# TYPE headmoe_step_seconds histogram",
+            ]
+            acc = 0
+            for bound, n in zip((*STEP_BUCKETS, "+Inf"), self._step_hist):
+                acc += n
+                lines.append(f'headmoe_step_seconds_bucket{{le="{bound}"}} {acc}')
+            lines += [f"headmoe_step_seconds_sum {self._step_sum}",
+                      f"headmoe_step_seconds_count {acc}"]
+            return "\n".join(lines) + "\n"

@@ -1,0 +1,245 @@
+"""The per-rank loop of ``headmoe serve``: the model built once, requests one after another.
+
+Every rank runs `serve_rank`. Rank 0 also owns the `JobStore` and runs uvicorn in a thread
+(`Leader`). The ranks stay in lockstep through rank 0's commands, one broadcast per tick
+(`headmoe.serve.wire`, JSON only):
+
+- ``{"op": "idle"}``: nothing queued (sent every ``tick_s``, so an idle rank's wait is
+  always far below the collective timeout and a dead peer is noticed within a tick);
+- ``{"op": "run", "id", "request"}``: every rank runs the request through `run_request`
+  with the components built at start; after each step rank 0 broadcasts one flag (cancel
+  requested, or the drain bound passed) and every rank stops at that same step;
+- ``{"op": "stop"}``: drain finished; every rank leaves the loop and exits 0.
+
+After a request every rank's outcome is all-gathered: an exception on the ranks fails that
+job with the rank's message and the server goes on. A peer that dies or hangs makes a
+collective fail (Gloo notices a closed connection at once; a hang hits the timeout), the
+rank exits non-zero and the supervisor stops the server.
+
+SIGTERM / SIGINT on rank 0 start the drain: no new jobs, the queued ones cancelled, the
+current one runs at most ``drain_timeout_s`` more, then ``stop``. Other ranks ignore both
+signals and follow rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from headmoe.distributed.context import ParallelContext
+from headmoe.pipeline.job import Components, build_components, run_request
+from headmoe.pipeline.request import GenerateRequest
+from headmoe.serve import wire
+from headmoe.serve.spec import ServeSpec
+from headmoe.serve.state import ID_PATTERN, Job, JobStore
+from headmoe.serve.validate import estimate_rank_bytes
+
+
+class JobCancelled(Exception):
+    """Raised on every rank at the same step boundary when rank 0 says stop."""
+
+
+class Leader:
+    """Rank 0's half of the loop: the store, the HTTP thread, signals and the drain."""
+
+    def __init__(self, spec: ServeSpec, sock: socket.socket, *, watch_parent: bool = False):
+        self.spec, self.sock = spec, sock
+        self.store = JobStore(spec.output_dir, spec.max_queue)
+        self.drain_requested = False
+        self.drain_deadline: float | None = None
+        self.current: Job | None = None
+        self._last_step = 0.0
+        self._parent = os.getppid() if watch_parent else None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        # only a flag: the handler runs in the main thread, maybe inside a store method
+        # holding its lock; the loop sees the flag within a tick or a step
+        self.drain_requested = True
+
+    def start_http(self) -> None:
+        """Serve the API on ``self.sock`` from a daemon thread."""
+        import uvicorn
+
+        from headmoe.serve.app import create_app
+
+        config = uvicorn.Config(create_app(self.store, self.spec), log_level=self.spec.log_level,
+                                access_log=False, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]},
+                                        name="uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+
+    def stop_http(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+
+    def next_command(self) -> dict[str, Any]:
+        """What every rank does next (see the module docstring)."""
+        if self._thread is not None and not self._thread.is_alive():
+            raise RuntimeError("the HTTP server thread stopped")
+        if self._parent is not None and os.getppid() != self._parent:
+            self.drain_requested = True  # the supervisor is gone: stop now
+            self.drain_deadline = time.monotonic()
+        if self.drain_requested and not self.store.draining:
+            self.store.start_drain()
+            self.drain_deadline = self.drain_deadline or time.monotonic() + self.spec.drain_timeout_s
+        if self.store.draining:
+            return {"op": "stop"}
+        job = self.store.next_job(self.spec.tick_s)
+        if job is None:
+            return {"op": "idle"}
+        self.current, self._last_step = job, time.perf_counter()
+        return {"op": "run", "id": job.id, "request": job.request.to_dict()}
+
+    def must_stop(self, done: int) -> bool:
+        """After step ``done`` of the current job: cancel it now?"""
+        now = time.perf_counter()
+        cancel = self.store.record_step(self.current, done, now - self._last_step)
+        self._last_step = now
+        if self.drain_requested and not self.store.draining:
+            self.store.start_drain()
+            self.drain_deadline = time.monotonic() + self.spec.drain_timeout_s
+        late = self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
+        return cancel or late
+
+    def server_facts(self) -> dict[str, Any]:
+        """What the sidecar's ``server`` field records: proof the model loaded once."""
+        s = self.store
+        return {"model_loads": s.model_loads, "model_loaded_at": s.model_loaded_at,
+                "model_load_s": s.model_load_s, "pid": os.getpid()}
+
+    def finish(self, outcomes: list[dict[str, Any]], result: dict[str, Any] | None) -> None:
+        """End the current job from every rank's outcome (``{"rank", "status", "message"}``)."""
+        job, self.current = self.current, None
+        failed = [o for o in outcomes if o["status"] == "failed"]
+        if failed:
+            self.store.finish(job, "failed", f"rank {failed[0]['rank']}: {failed[0]['message']}",
+                              None)
+        elif any(o["status"] == "cancelled" for o in outcomes):
+            why = "cancelled by request" if job.cancel_requested else "server shutting down"
+            self.store.finish(job, "cancelled", why, None)
+        else:
+            side = json.loads(Path(result["sidecar"]).read_text())
+            self.store.finish(job, "completed", None, side)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one); `OSError` if taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    sock.set_inheritable(False)
+    return sock
+
+
+def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[str, Any],
+            leader: Leader | None) -> None:
+    """Run command ``cmd`` (op "run") on this rank; rank 0 records the outcome."""
+    job_id = cmd["id"]
+    if not ID_PATTERN.fullmatch(job_id):
+        raise ValueError(f"bad job id from rank 0: {job_id!r}")
+    request = GenerateRequest(**cmd["request"])
+    extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})}}
+    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra)
+    device = ctx.device
+
+    def on_step(done: int, total: int) -> None:
+        stop = leader.must_stop(done) if leader is not None else False
+        if wire.broadcast_flag(stop, device=device):
+            raise JobCancelled
+
+    ctx.counters.reset()
+    result, outcome = None, {"rank": ctx.rank, "status": "completed", "message": None}
+    try:
+        result = run_request(ctx, job, parts, on_step=on_step)
+    except JobCancelled:
+        outcome["status"] = "cancelled"
+    except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
+        outcome.update(status="failed", message=f"{type(exc).__name__}: {exc}")
+        print(f"headmoe serve: rank {ctx.rank}: {job_id} failed: {outcome['message']}",
+              file=sys.stderr, flush=True)
+    outcomes = wire.all_gather_json(outcome, device=device)
+    if leader is not None:
+        leader.finish(outcomes, result)
+
+
+def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
+               leader: Leader | None) -> None:
+    """Follow rank 0's commands until ``stop`` (every rank calls it together)."""
+    while True:
+        cmd = leader.next_command() if leader is not None else None
+        cmd = wire.broadcast_json(cmd, device=ctx.device)
+        if cmd["op"] == "stop":
+            return
+        if cmd["op"] == "run":
+            run_one(ctx, parts, spec, cmd, leader)
+
+
+def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | None, *,
+               supervised: bool = False) -> None:
+    """One rank of the server, from joining the world to a drained exit (returns normally).
+
+    ``init_method`` None with ``world_size > 1`` joins from torchrun's environment.
+    ``supervised``: started by `headmoe.serve.supervisor`, so rank 0 stops if that parent
+    process disappears."""
+    leader = None
+    if rank == 0:
+        leader = Leader(spec, bind(spec.host, spec.port), watch_parent=supervised)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, leader.on_signal)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    if world_size == 1:
+        ctx = ParallelContext.single(spec.parallel)
+    else:
+        ctx = ParallelContext.initialize(spec.parallel, rank=rank, world_size=world_size,
+                                         init_method=init_method,
+                                         timeout=timedelta(seconds=spec.timeout_s))
+    template = spec.job(GenerateRequest(prompt="", dtype=spec.dtype), None, {})
+    try:
+        if leader is not None:
+            Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+            estimate_rank_bytes(spec, template.request)  # cache the planner's weight bytes
+            leader.start_http()  # /health says "loading" until the model is in
+        t0 = time.perf_counter()
+        parts = build_components(ctx, template)
+        if leader is not None:
+            _announce(leader, time.perf_counter() - t0, ctx)
+        serve_loop(ctx, parts, spec, leader)
+    finally:
+        if leader is not None:
+            leader.stop_http()
+        ctx.destroy()
+
+
+def _announce(leader: Leader, load_s: float, ctx: ParallelContext) -> None:
+    store = leader.store
+    store.model_loads += 1
+    store.model_load_s, store.model_loaded_at = load_s, time.time()
+    store.ready = True
+    host, port = leader.sock.getsockname()[:2]
+    print(f"headmoe serve: listening on http://{host}:{port} ({ctx.world_size} rank(s), "
+          f"model {leader.spec.model}, loaded in {load_s:.1f} s)", flush=True)

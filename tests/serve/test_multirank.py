@@ -1,0 +1,109 @@
+"""A real four-rank server (SP4 x head EP2, no API key): the same bytes as ``headmoe
+generate``, cancellation at one step on every rank, SIGTERM drain; and a killed rank."""
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.serve.server import REQUEST, Server, finished, wait_for
+
+LAYOUT = ["--nproc", "4", "--ulysses-degree", "4", "--enable-expert-parallel",
+          "--expert-parallel-size", "2"]
+LONG = {**REQUEST, "num_inference_steps": 500}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_cache):
+    srv = Server(tmp_path_factory.mktemp("sp4ep2"), tiny_cache, *LAYOUT, "--drain-timeout", "2")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def test_four_ranks_give_generates_hashes_without_a_key(server, client, reference):
+    job = client.post("/v1/videos", json=REQUEST).json()
+    done = wait_for(client, job["id"], finished)
+    assert done["status"] == "completed", done
+    assert (done["video_sha256"], done["audio_sha256"]) == reference
+    assert done["layout"]["world_size"] == 4 and done["layout"]["expert_parallel_size"] == 2
+    assert sorted(done["step_times_s"]["per_rank"]) == ["0", "1", "2", "3"]
+    body = client.get(f"/v1/videos/{job['id']}/content")
+    assert body.status_code == 200
+    assert body.content == (server.output_dir / f"{job['id']}.mp4").read_bytes()
+
+
+def test_cancel_in_progress_stops_every_rank_at_one_step(server, client, reference):
+    vid = client.post("/v1/videos", json=LONG).json()["id"]
+    wait_for(client, vid, lambda j: j["steps_completed"] >= 1)
+    assert client.delete(f"/v1/videos/{vid}").json()["cancel_requested"]
+    stopped = wait_for(client, vid, finished)
+    assert stopped["status"] == "cancelled" and stopped["steps_completed"] < 500
+    # the ranks are still in lockstep: the next request runs and gives the same bytes
+    after = client.post("/v1/videos/sync", json=REQUEST, timeout=120)
+    assert after.status_code == 200
+    assert (after.headers["x-video-sha256"], after.headers["x-audio-sha256"]) == reference
+
+
+def test_sigterm_cancels_the_current_job_within_the_bound_and_exits_0(server, client):
+    vid = client.post("/v1/videos", json=LONG).json()["id"]
+    queued = client.post("/v1/videos", json=REQUEST).json()["id"]
+    wait_for(client, vid, lambda j: j["steps_completed"] >= 1)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while (r := client.post("/v1/videos", json=REQUEST)).status_code != 503:
+        assert r.status_code == 200 and time.monotonic() < deadline
+        time.sleep(0.05)
+    assert "shutting down" in r.json()["error"]["message"]
+    assert client.get(f"/v1/videos/{queued}").json()["status"] == "cancelled"
+    assert server.wait(timeout=60) == 0, server.log()
+    assert time.monotonic() - t0 < 45
+    assert not list(server.output_dir.glob(f"{vid}*"))
+    with pytest.raises(httpx.TransportError):
+        client.get("/health")
+
+
+def test_killed_rank_ends_the_server_naming_it(tmp_path, tiny_cache):
+    srv = Server(tmp_path, tiny_cache, "--nproc", "2", "--ulysses-degree", "2")
+    try:
+        with srv.client() as client:
+            vid = client.post("/v1/videos", json=LONG).json()["id"]
+            wait_for(client, vid, lambda j: j["steps_completed"] >= 1)
+        ranks = srv.worker_pids()
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        code = srv.wait(timeout=60)
+        assert code == 1 and time.monotonic() - t0 < 30, srv.log()
+        lines = srv.err.decode().splitlines()
+        assert "headmoe serve: rank 1 died (killed by signal 9); the server stopped" in lines
+        assert not list(srv.output_dir.glob(f"{vid}*"))
+    finally:
+        srv.stop()
+
+
+def test_hung_rank_ends_the_server_after_the_timeout(tmp_path, tiny_cache):
+    srv = Server(tmp_path, tiny_cache, "--nproc", "2", "--ulysses-degree", "2", "--timeout", "5")
+    try:
+        with srv.client() as client:
+            vid = client.post("/v1/videos", json=LONG).json()["id"]
+            wait_for(client, vid, lambda j: j["steps_completed"] >= 1)
+        ranks = srv.worker_pids()
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        code = srv.wait(timeout=60)
+        assert code == 1 and time.monotonic() - t0 < 40, srv.log()
+        lines = [x for x in srv.err.decode().splitlines()
+                 if x.startswith("headmoe serve: rank 0 failed")]
+        assert len(lines) == 1 and "Timed out" in lines[0], srv.log()
+        assert "rank(s) [1] still running, killed: hung?" in lines[0]
+    finally:
+        srv.stop()

@@ -1,0 +1,96 @@
+"""In-process pieces of the server: flag checks, the rank-side job outcomes (a failing
+request, cancellation, drain) with a test-only denoiser, and the JSON wire over 2 ranks."""
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from headmoe.cli.main import main
+from headmoe.config import ParallelConfig
+from headmoe.distributed.context import ParallelContext
+from headmoe.pipeline.request import GenerateRequest
+from headmoe.serve import wire
+from headmoe.serve.spec import ServeSpec
+from headmoe.serve.worker import Leader, bind, run_one
+from headmoe.testing import run_ranks
+from tests.pipeline.fake import fake_components
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--data-parallel-size", "2"], "--data-parallel-size must be 1 for serve, got 2"),
+    (["--nproc", "4", "--ulysses-degree", "4", "--enable-expert-parallel",
+      "--expert-parallel-size", "3"], "--expert-parallel-size=3 must divide --ulysses-degree=4"),
+    (["--nproc", "2"], "--nproc has 2 ranks but the layout needs"),
+    (["--api-key", " "], "--api-key must not be empty"),
+    (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
+    (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["--drain-timeout", "0"], "--drain-timeout must be > 0 seconds"),
+    (["--timeout", "-1"], "--timeout must be > 0"),
+    (["--memory-gib", "0.001"], "the model needs an estimated"),
+    (["--api-key-file", "/nonexistent/key"], "--api-key-file '/nonexistent/key': No such file"),
+    (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),
+])
+def test_bad_flags_exit_2_before_any_rank(flags, expected, tiny_cache, tmp_path, capsys):
+    code = main(["serve", "--cache-dir", str(tiny_cache), "--output-dir", str(tmp_path / "o"),
+                 *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and expected in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_port_in_use_fails_with_a_message(tiny_cache, tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "--cache-dir", str(tiny_cache), "--port", str(port),
+                     "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and f"rank 0 failed: OSError: cannot listen on 127.0.0.1:{port}" in err
+
+
+class Boom:
+    def __call__(self, branches):
+        raise RuntimeError("boom on the ranks")
+
+
+def test_rank_outcomes_fail_cancel_complete_then_drain(tmp_path):
+    spec = ServeSpec(ParallelConfig(), SimpleNamespace(name="fake"), "", "tiny", "fp32",
+                     str(tmp_path), port=0, tick_s=0.01)
+    leader = Leader(spec, bind("127.0.0.1", 0))
+    ctx = ParallelContext.single()
+    good = fake_components(ctx, None)
+    bad = fake_components(ctx, None)
+    bad.denoiser = Boom()
+    store, req = leader.store, GenerateRequest(prompt="x", num_inference_steps=3)
+    jobs = [store.submit(req) for _ in range(3)]
+    for parts, job in zip((bad, good, good), jobs):
+        cmd = leader.next_command()
+        assert cmd["op"] == "run" and cmd["id"] == job.id
+        if job is jobs[1]:
+            job.cancel_requested = True  # as DELETE sets it while the job runs
+        run_one(ctx, parts, spec, cmd, leader)
+    failed, cancelled, done = jobs
+    assert failed.status == "failed" and failed.error == "rank 0: RuntimeError: boom on the ranks"
+    assert cancelled.status == "cancelled" and cancelled.steps_done == 1
+    assert done.status == "completed" and done.steps_done == 3
+    assert done.result["server"]["model_loads"] == 0 and done.result["video_sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{done.id}.json", f"{done.id}.mp4"]
+    assert leader.next_command() == {"op": "idle"}
+    leader.drain_requested = True
+    assert leader.next_command() == {"op": "stop"} and store.draining
+    leader.sock.close()
+
+
+def _wire(rank, world_size):
+    got = wire.broadcast_json({"fox": "🦊", "x": [1, 2.5, None]} if rank == 0 else None)
+    flag = wire.broadcast_flag(rank == 0)
+    gathered = wire.all_gather_json({"rank": rank, "text": "é" * rank})
+    return got, flag, gathered
+
+
+def test_wire_moves_json_between_ranks():
+    for got, flag, gathered in run_ranks(_wire, 2, timeout=120):
+        assert got == {"fox": "🦊", "x": [1, 2.5, None]} and flag is True
+        assert gathered == [{"rank": 0, "text": ""}, {"rank": 1, "text": "é"}]
