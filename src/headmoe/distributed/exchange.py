@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from headmoe.distributed.schedule import Exchange
 from headmoe.distributed.sharding import (
     REPLICA_POLICIES,
     _is_int,
@@ -325,7 +326,7 @@ def scatter_heads(
     h = x.shape[1] // layout.shards
     if layout.total_tokens == 0:
         return x.new_empty((0, h, x.shape[2]))
-    return _to_heads(x.unsqueeze(1), group, layout, "moe_scatter", counters, workspace)[:, 0]
+    return _to_heads(x.unsqueeze(1), group, layout, Exchange.MOE_SCATTER, counters, workspace)[:, 0]
 
 
 def gather_heads(
@@ -353,7 +354,7 @@ def gather_heads(
         return y
     if layout.total_tokens == 0:
         return y.new_empty((0, layout.shards * y.shape[1], y.shape[2]))
-    return _to_tokens(y.unsqueeze(1), group, layout, "moe_gather", counters, workspace)[:, 0]
+    return _to_tokens(y.unsqueeze(1), group, layout, Exchange.MOE_GATHER, counters, workspace)[:, 0]
 
 
 # ---------------------------------------------------------------------------- Ulysses
@@ -388,7 +389,7 @@ def _seq_to_heads(x: Tensor, group: Any, token_counts: Any, counters: Any, fused
     if layout.total_tokens == 0:
         out = x4.new_empty((0, x4.shape[1], heads // layout.world_size, x4.shape[3]))
     else:
-        out = _to_heads(x4, group, layout, "ulysses_in", counters, None)
+        out = _to_heads(x4, group, layout, Exchange.ULYSSES_IN, counters, None)
     return out if fused else out[:, 0]
 
 
@@ -446,7 +447,7 @@ def ulysses_heads_to_seq(
         return y
     if layout.total_tokens == 0:
         return y.new_empty((0, layout.world_size * y.shape[1], y.shape[2]))
-    return _to_tokens(y.unsqueeze(1), group, layout, "ulysses_out", counters, None)[:, 0]
+    return _to_tokens(y.unsqueeze(1), group, layout, Exchange.ULYSSES_OUT, counters, None)[:, 0]
 
 
 __all__ = [

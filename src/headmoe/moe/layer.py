@@ -23,6 +23,7 @@ from headmoe.distributed.exchange import (
     scatter_heads,
 )
 from headmoe.distributed.sharding import (
+    DispatchPlan,
     HeadShard,
     dispatch_plan,
     head_shard,
@@ -156,12 +157,15 @@ class MultiHeadMoE(nn.Module):
         )
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, token_counts: tuple[int, ...] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_counts: tuple[int, ...] | None = None,
+                dispatch: DispatchPlan | None = None) -> torch.Tensor:
         """x: `[T_local, hidden_size]` in `config.dtype` -> `[T_local, hidden_size]`, same dtype.
 
         token_counts: the token counts of every rank of this rank's SP group, in SP order
         (host-side; then the only collectives are the two all-to-alls). None: gathered with
-        one all-gather over the SP group. Bad input raises `ValueError` before any collective.
+        one all-gather over the SP group. `dispatch`: the exchange to use (a model's
+        `ForwardSchedule.moe_dispatch`); None: `dispatch_plan` of the counts. Bad input raises
+        `ValueError` before any collective.
         """
         cfg = self.config
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden_size:
@@ -178,10 +182,11 @@ class MultiHeadMoE(nn.Module):
             if ctx is not None:
                 ctx.counters.record_moe_rows(t * heads)
             return out.reshape(t, cfg.hidden_size)
-        axis, layout = plan_dispatch(
-            ctx.config.moe_exchange, counts, ctx.group_rank("sp"), self.ep_size,
-            EXPERTS_BATCH_INVARIANT,
-        )
+        if dispatch is None:
+            dispatch = dispatch_plan(ctx.config.moe_exchange, counts, ctx.group_rank("sp"),
+                                     self.ep_size, EXPERTS_BATCH_INVARIANT)
+        axis = dispatch.axis
+        layout = HeadLayout(dispatch.token_counts, dispatch.rank, dispatch.replica_counts)
         z = x.reshape(t, heads, d)
         padded = self.local_heads * self.ep_size
         if padded != heads:  # zero heads so that every EP rank owns `local_heads`

@@ -25,10 +25,12 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.counters import Counters
 from headmoe.distributed.exchange import HeadLayout
+from headmoe.distributed.schedule import Collective, Exchange
 from headmoe.distributed.sharding import sp_token_counts
 from headmoe.distributed.topology import AXES, Topology, plan_topology
 from headmoe.models.magi2.config import Magi2Config, validate_parallel
 from headmoe.models.magi2.model import Magi2Transformer, MoEMLP
+from headmoe.models.magi2.schedule import forward_schedule
 from headmoe.moe import moe_row_slice, plan_dispatch
 from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
 from headmoe.planner.request import RequestShape
@@ -104,32 +106,37 @@ def forward_counters(model: Magi2Config, request: RequestShape, parallel: Parall
                      rank: int, dtype: torch.dtype = torch.float32) -> Counters:
     """The `Counters` one `Magi2Transformer.forward` records on `rank` (moe_rows per MoE
     layer call, exchanges in call order), for a transformer built with `dtype` (the dtype
-    of its linears, experts and exchanged activations; the final output gather is fp32)."""
+    of its linears, experts and exchanged activations): the bytes of every collective of
+    the model's own `forward_schedule`."""
     topo = layout_topology(model, parallel)
     c = topo.coords(rank)
     counts = sequence_counts(request, parallel, c.cfg)
-    nbytes = _element_size(dtype)
+    schedule = forward_schedule(model, topo, c, counts)
     out = Counters()
-    sp_layout = HeadLayout(counts, c.sp)
-    heads, d = model.num_attention_heads, model.head_dim
-    moe = moe_placement(model, topo, rank, counts)
+    moe_calls = iter(model.moe_layer_ids)
+    next_moe = next(moe_calls, None)
     for layer in range(model.num_layers):
-        for kind, width, to_heads in (("ulysses_in", 3 * d, True), ("ulysses_out", d, False)):
-            rec = _all_to_all(sp_layout, heads, width, nbytes, to_heads)
-            if rec:
-                out.record_exchange(kind, *rec)
-        if layer in model.multimodal_layers:
-            continue
-        out.record_moe_rows(moe.rows)
-        for kind, to_heads in (("moe_scatter", True), ("moe_gather", False)):
-            rec = _all_to_all(moe.layout, moe.padded_heads, model.moe_head_dim, nbytes, to_heads)
-            if rec:
-                out.record_exchange(kind, *rec)
-    if topo.sp > 1:
-        width = max(model.video_in_channels, model.audio_in_channels)
-        moved = (topo.sp - 1) * max(counts) * width * _element_size(torch.float32)
-        out.record_exchange("sp_output_gather", moved, moved)
+        for step in (s for s in schedule.collectives if s.layer == layer):
+            out.record_exchange(step.kind, *_collective_bytes(step, _element_size(dtype)))
+        if layer == next_moe:
+            out.record_moe_rows(schedule.moe_rows)
+            next_moe = next(moe_calls, None)
+    for step in (s for s in schedule.collectives if s.layer is None):
+        nbytes = _element_size(torch.float32 if step.fp32 else dtype)
+        out.record_exchange(step.kind, *_collective_bytes(step, nbytes))
     return out
+
+
+def _collective_bytes(step: Collective, nbytes: int) -> tuple[int, int]:
+    """(bytes sent, bytes received) of one scheduled collective on its rank."""
+    if step.kind == Exchange.SP_OUTPUT_GATHER:  # all-gather of shards padded to the largest
+        moved = (len(step.token_counts) - 1) * max(step.token_counts) * step.width * nbytes
+        return moved, moved
+    layout = HeadLayout(step.token_counts, step.rank, step.replica_counts)
+    to_heads = step.kind in (Exchange.ULYSSES_IN, Exchange.MOE_SCATTER)
+    rec = _all_to_all(layout, step.heads, step.width, nbytes, to_heads)
+    assert rec is not None, step  # the schedule lists issued collectives only
+    return rec
 
 
 def layout_topology(model: Magi2Config, parallel: ParallelConfig) -> Topology:

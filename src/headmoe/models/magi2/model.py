@@ -45,6 +45,7 @@ from headmoe.distributed.exchange import (
     ulysses_heads_to_seq,
     ulysses_qkv_to_heads,
 )
+from headmoe.distributed.schedule import Exchange, ForwardSchedule
 from headmoe.distributed.sharding import sp_rows, sp_token_counts
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.attention import segment_attention
@@ -61,6 +62,7 @@ from headmoe.models.magi2.packing import (
     pack_branches,
     unpack_outputs,
 )
+from headmoe.models.magi2.schedule import forward_schedule
 from headmoe.moe import MoEConfig, MultiHeadMoE
 
 
@@ -80,6 +82,7 @@ class ForwardPlan:
     groups: list[torch.Tensor]
     cos: torch.Tensor
     sin: torch.Tensor
+    schedule: ForwardSchedule
 
     @property
     def local_tokens(self) -> int:
@@ -198,7 +201,8 @@ class MoEMLP(nn.Module):
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
         z = self.split_linear(n).to(self.dtype)
-        routed = self.merge_linear(self.moe_mlp(z, token_counts=plan.counts))
+        moe = self.moe_mlp(z, token_counts=plan.counts, dispatch=plan.schedule.moe_dispatch)
+        routed = self.merge_linear(moe)
         shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n)))
         h = self.modality_specific_shared_expert_fc1(n, plan.groups)
         modal = self.modality_specific_shared_expert_fc2(swiglu7(h), plan.groups)
@@ -355,8 +359,9 @@ class Magi2Transformer(nn.Module):
         modality = packed.modality[lo:hi]
         groups = [torch.nonzero(modality == m).flatten().to(dev) for m in range(len(MODALITIES))]
         cos, sin = split_table(rope_table(packed.coords[lo:hi], self.pre_adapter.rope.bands.cpu()))
+        schedule = forward_schedule(self.config, ctx.topology, ctx.coords, counts)
         return ForwardPlan(counts, lo, hi, packed.segments(), modality.to(dev), groups,
-                           cos.to(dev), sin.to(dev))
+                           cos.to(dev), sin.to(dev), schedule)
 
     # ------------------------------------------------------------------ forward
     def _embed(self, packed: PackedInputs, plan: ForwardPlan) -> torch.Tensor:
@@ -397,7 +402,7 @@ class Magi2Transformer(nn.Module):
         parts = [torch.empty_like(padded) for _ in range(sp)]
         dist.all_gather(parts, padded, group=self.context.group("sp"))
         moved = (sp - 1) * padded.numel() * padded.element_size()
-        self.context.counters.record_exchange("sp_output_gather", moved, moved)
+        self.context.counters.record_exchange(Exchange.SP_OUTPUT_GATHER, moved, moved)
         return torch.cat([p[:c] for p, c in zip(parts, plan.counts)])
 
     @torch.no_grad()
@@ -411,6 +416,7 @@ class Magi2Transformer(nn.Module):
         0..63 on audio rows, zeros on text rows). `trace`, when given, receives this rank's
         rows (sequence order, fp32 `[T_local, V]`) of `block_in` and `layer{i}_out`."""
         plan = self.plan(packed)
+        issued = len(self.context.counters.exchanges)
         state = self._embed(packed, plan)
         if trace is not None:
             trace["block_in"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
@@ -418,7 +424,9 @@ class Magi2Transformer(nn.Module):
             state = layer(state, plan, self.context)
             if trace is not None:
                 trace[f"layer{i}_out"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
-        return self._gather(self._post(state, plan), plan)
+        out = self._gather(self._post(state, plan), plan)
+        plan.schedule.check_executed(self.context.counters.exchanges[issued:])
+        return out
 
     def forward(self, branches: Sequence[BranchInput]) -> list[BranchOutput]:
         """Velocity predictions of the CFG branches this rank's SP group runs (identical on

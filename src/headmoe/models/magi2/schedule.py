@@ -1,0 +1,58 @@
+"""The MAGI-2 transformer's communication schedule (`headmoe.distributed.schedule`): which
+collectives one forward issues on a rank, computed from the config, the topology and the
+SP token counts only. The model executes it; the planner predicts from it."""
+
+from __future__ import annotations
+
+from headmoe.distributed.exchange import HeadLayout
+from headmoe.distributed.schedule import Collective, Exchange, ForwardSchedule
+from headmoe.distributed.sharding import DispatchPlan, HeadShard, dispatch_plan, head_shard
+from headmoe.distributed.topology import Coords, Topology
+from headmoe.models.magi2.config import Magi2Config
+from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
+
+
+def forward_schedule(
+    config: Magi2Config, topo: Topology, coords: Coords, counts: tuple[int, ...]
+) -> ForwardSchedule:
+    """Every collective of one forward on the rank at `coords`, whose SP group splits the
+    packed sequence as `counts` (SP order)."""
+    sp, out = topo.sp, []
+    uly = dict(axis="sp", token_counts=counts, rank=coords.sp, replica_counts=None)
+    hq, d = config.num_attention_heads, config.head_dim
+    e = topo.expert_parallel_size
+    shard = head_shard(config.moe_num_heads, e, coords.ep)
+    dispatch = None
+    if config.moe_layer_ids:
+        dispatch = dispatch_plan(topo.config.moe_exchange, counts, coords.sp, e,
+                                 EXPERTS_BATCH_INVARIANT)
+    moe_group = 1 if dispatch is None else len(dispatch.token_counts)
+    moe = dict(axis=dispatch.axis if dispatch else "ep",
+               token_counts=dispatch.token_counts if dispatch else counts,
+               rank=dispatch.rank if dispatch else 0,
+               replica_counts=dispatch.replica_counts if dispatch else None,
+               heads=shard.padded_heads, width=config.moe_head_dim)
+    total = sum(counts)
+    for layer in range(config.num_layers):
+        if sp > 1 and total:
+            out.append(Collective(Exchange.ULYSSES_IN, layer=layer, heads=hq, width=3 * d, **uly))
+            out.append(Collective(Exchange.ULYSSES_OUT, layer=layer, heads=hq, width=d, **uly))
+        if layer in config.moe_layer_ids and moe_group > 1 and sum(moe["token_counts"]):
+            out.append(Collective(Exchange.MOE_SCATTER, layer=layer, **moe))
+            out.append(Collective(Exchange.MOE_GATHER, layer=layer, **moe))
+    if sp > 1:
+        width = max(config.video_in_channels, config.audio_in_channels)
+        out.append(Collective(Exchange.SP_OUTPUT_GATHER, layer=None, heads=1, width=width,
+                              fp32=True, **uly))
+    return ForwardSchedule(tuple(out), dispatch, _moe_rows(dispatch, shard, counts, coords))
+
+
+def _moe_rows(dispatch: DispatchPlan | None, shard: HeadShard, counts: tuple[int, ...],
+              coords: Coords) -> int:
+    """(token, real head) rows of one MoE layer call on this rank."""
+    if dispatch is None:
+        return 0
+    if len(counts) == 1:
+        return counts[0] * shard.real_heads
+    layout = HeadLayout(dispatch.token_counts, dispatch.rank, dispatch.replica_counts)
+    return layout.owned_tokens * shard.real_heads
