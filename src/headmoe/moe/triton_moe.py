@@ -1,0 +1,227 @@
+"""The MoE GPU path: routing and grouped experts as batch-invariant Triton kernels.
+
+Same contract as `headmoe.moe.routing.route` and `headmoe.moe.experts.experts_grouped`
+(shapes, dtypes, ascending combine order), for CUDA tensors, or CPU tensors under Triton's
+interpreter (tests). triton is imported only when a kernel runs (`headmoe.layers.
+triton_runtime`).
+
+Arithmetic: routing logits are fp32 products of the fp32-widened z and the fp32 gate (IEEE
+fp32, no TF32); the expert GEMMs take operands in the expert dtype (bf16 in production;
+fp16 and fp32 also work, fp32 with IEEE products) and accumulate in fp32; SwiGLU7 runs in
+fp32 and is rounded to the expert dtype before W_down; the combine is fp32 in ascending
+expert order; the result is rounded to the expert dtype. Results agree with the CPU paths
+within rounding, not bit for bit (other GEMM reduction trees, `exp`).
+
+Batch invariance (a (token, head) row's bits do not depend on the other rows of the call):
+the routes are sorted into (head, expert) groups on the device (`torch.sort`, stable, and
+`torch.searchsorted`; no host sync) and cut into tiles of `block_m` rows, one tile per
+program, the grid sized by an upper bound (idle programs exit). Tile shapes are fixed by
+`MoETiles` (never by the row count: no autotuning, no split-K), every reduction dim is
+walked in one order, a tile's masked rows load zeros and are not stored, and the combine
+is a separate row-local pass: no atomics. A row's result therefore depends on its own z
+row, its group's weights and the tiles only, not on its tile mates or its place in a tile
+(the GPU's MMA computes every output element with the same instruction sequence;
+`benchmarks/gpu_check.py` checks it on the device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
+from headmoe.layers.triton_runtime import check_tensors
+from headmoe.moe.routing import ROUTE_EPS
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoETiles:
+    """Fixed tile configuration of the expert kernels (powers of two >= 16).
+
+    block_m: rows per tile (the group schedule's unit); gate_n/gate_k: d_expert columns and
+    d-step of the gate/up kernel; down_n/down_k: d columns and d_expert-step of the down
+    kernel; combine_m/combine_d: rows and columns of the combine; num_warps/num_stages:
+    CUDA launch options (ignored by the interpreter)."""
+
+    block_m: int = 128
+    gate_n: int = 128
+    gate_k: int = 64
+    down_n: int = 128
+    down_k: int = 64
+    combine_m: int = 32
+    combine_d: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self)[:7]:
+            v = getattr(self, field.name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"MoETiles.{field.name} must be a power of two >= 16, got {v!r}")
+
+
+#: the production configuration (bf16 on Hopper); fixed, so rows never see another one
+DEFAULT_TILES = MoETiles()
+#: routing: tokens per program and d-step (the expert dim is one block of next_pow2(E))
+ROUTE_BLOCK_M = 32
+ROUTE_BLOCK_K = 32
+
+
+def _kernels():
+    from headmoe.moe import triton_moe_kernels
+
+    return triton_moe_kernels
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _check_float(name: str, t: torch.Tensor, dim: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype not in _FLOATS:
+        got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a {dim}-d float tensor, got {got}")
+
+
+def route_triton(
+    z: torch.Tensor, gate: torch.Tensor, expert_bias: torch.Tensor, top_k: int,
+    route_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`headmoe.moe.routing.route` as one Triton kernel.
+
+    z: `[N, h, d]` (fp32/fp16/bf16, routed in fp32); gate: `[h*E, d]` fp32; expert_bias:
+    `[h*E]` fp32. Returns experts `[N, h, top_k]` int64 ascending and weights `[N, h, top_k]`
+    fp32 (unbiased scores / max(their ascending-order sum, 1e-12) * route_scale); selection
+    ties go to the lowest expert id."""
+    _check_float("z", z, 3)
+    n, h, d = z.shape
+    if gate.dtype != torch.float32 or gate.dim() != 2 or gate.shape[1] != d or gate.shape[0] % h:
+        raise ValueError(f"gate must be fp32 [h*E, {d}] with h={h}, got "
+                         f"{tuple(gate.shape)} {gate.dtype}")  # fmt: skip
+    e = gate.shape[0] // h
+    if expert_bias.dtype != torch.float32 or tuple(expert_bias.shape) != (h * e,):
+        raise ValueError(f"expert_bias must be fp32 [{h * e}], got "
+                         f"{tuple(expert_bias.shape)} {expert_bias.dtype}")  # fmt: skip
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be an int in [1, {e}], got {top_k!r}")
+    kern = _kernels().route_kernel
+    check_tensors(kern, z=z, gate=gate, expert_bias=expert_bias)
+    ids = torch.empty((n, h, top_k), dtype=torch.int64, device=z.device)
+    weights = torch.empty((n, h, top_k), dtype=torch.float32, device=z.device)
+    if n == 0:
+        return ids, weights
+    if z.stride(2) != 1:
+        z = z.contiguous()
+    grid = (triton_cdiv(n, ROUTE_BLOCK_M), h)
+    kern[grid](
+        z, gate.contiguous(), expert_bias.contiguous(), ids, weights, n, z.stride(0),
+        z.stride(1), float(route_scale), ROUTE_EPS, H=h, E=e, D=d, TOP_K=top_k,
+        BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=_pow2(e), BLOCK_K=ROUTE_BLOCK_K, num_warps=4,
+    )  # fmt: skip
+    return ids, weights
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` for non-negative ints."""
+    return -(-a // b)
+
+
+def group_schedule(
+    route_group: torch.Tensor, groups: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort routes into groups and cut every group into tiles, on the routes' device.
+
+    route_group: `[R]` int64 group id (head*E + expert) of every route in flat `[N, h, k]`
+    order. Returns `(order, tile_group, tile_row, tile_end)`: order `[R]` int64, the routes
+    sorted by group (stable); and for every tile t < T = min(R, ceil(R/block_m) + groups)
+    (an upper bound of the tile count, known without a host sync): its group (int32, =
+    `groups` for the idle tail), its first sorted row and its group's end row (int32)."""
+    r = route_group.numel()
+    dev = route_group.device
+    sorted_group, order = torch.sort(route_group, stable=True)
+    ids = torch.arange(groups, device=dev)
+    ends = torch.searchsorted(sorted_group, ids, right=True)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tiles = (counts + block_m - 1) // block_m
+    tile_ends = tiles.cumsum(0)
+    t = torch.arange(min(r, triton_cdiv(r, block_m) + groups), device=dev)
+    tile_group = torch.searchsorted(tile_ends, t, right=True)
+    g = tile_group.clamp_max(groups - 1)
+    tile_row = (ends - counts)[g] + (t - (tile_ends - tiles)[g]) * block_m
+    i32 = torch.int32
+    return order, tile_group.to(i32), tile_row.to(i32), ends[g].to(i32)
+
+
+def _check_experts_args(z, experts, weights, w_gate, w_up, w_down) -> None:
+    """ValueError naming the first argument of `experts_triton` with a bad shape or dtype."""
+    _check_float("z", z, 3)
+    n, h, d = z.shape
+    if experts.dtype != torch.int64 or experts.dim() != 3 or experts.shape[:2] != (n, h):
+        raise ValueError(f"experts must be int64 [{n}, {h}, k], got "
+                         f"{tuple(experts.shape)} {experts.dtype}")  # fmt: skip
+    if weights.dtype != torch.float32 or weights.shape != experts.shape:
+        raise ValueError(f"weights must be fp32 {tuple(experts.shape)}, got "
+                         f"{tuple(weights.shape)} {weights.dtype}")  # fmt: skip
+    rows, f = w_gate.shape[0], (w_gate.shape[2] if w_gate.dim() == 3 else -1)
+    expected = {"w_gate": (rows, d, f), "w_up": (rows, d, f), "w_down": (rows, f, d)}
+    for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if tuple(t.shape) != expected[name] or t.dtype != z.dtype or rows % h or rows == 0:
+            raise ValueError(f"{name} must be {z.dtype} {expected[name]} (rows = h*E, h={h}), "
+                             f"got {tuple(t.shape)} {t.dtype}")  # fmt: skip
+
+
+def experts_triton(
+    z: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tiles: MoETiles = DEFAULT_TILES,
+) -> torch.Tensor:
+    """`experts_grouped` as Triton kernels: gather + W_gate/W_up + SwiGLU7, W_down, combine.
+
+    z: `[N, h, d]` (bf16, fp16 or fp32); experts / weights: `[N, h, k]` int64 ascending ids
+    in [0, E) / fp32, from `route`; w_gate, w_up: `[h*E, d, f]`, w_down: `[h*E, f, d]`, in
+    z's dtype. Returns `[N, h, d]` in z's dtype. Temporaries: `[N*h*k, f]` in z's dtype and
+    `[N*h*k, d]` fp32. `tiles` must be the same for every call whose rows are compared."""
+    _check_experts_args(z, experts, weights, w_gate, w_up, w_down)
+    kern = _kernels()
+    check_tensors(kern.gate_up_kernel, z=z, experts=experts, weights=weights, w_gate=w_gate,
+                  w_up=w_up, w_down=w_down)  # fmt: skip
+    n, h, d = z.shape
+    k, groups, f = experts.shape[2], w_gate.shape[0], w_gate.shape[2]
+    out = torch.empty((n, h, d), dtype=z.dtype, device=z.device)
+    if n == 0:
+        return out
+    if z.stride(2) != 1:
+        z = z.contiguous()
+    heads = torch.arange(h, device=z.device).view(1, h, 1)
+    route_group = (experts + heads * (groups // h)).reshape(-1)
+    order, tile_group, tile_row, tile_end = group_schedule(route_group, groups, tiles.block_m)
+    token, head = order // (h * k), (order // k) % h
+    src = token * z.stride(0) + head * z.stride(1)  # element offset of each sorted route's row
+    r, t = order.numel(), tile_group.numel()
+    hidden = torch.empty((r, f), dtype=z.dtype, device=z.device)
+    routed = torch.empty((r, d), dtype=torch.float32, device=z.device)
+    prec = "ieee" if z.dtype == torch.float32 else "tf32"
+    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+    sched = (tile_group, tile_row, tile_end)
+    kern.gate_up_kernel[(triton_cdiv(f, tiles.gate_n), t)](
+        z, src, *sched, w_gate.contiguous(), w_up.contiguous(), hidden, groups, D=d, F=f,
+        LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION=prec, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.gate_n, BLOCK_K=tiles.gate_k, **launch,
+    )  # fmt: skip
+    kern.down_kernel[(triton_cdiv(d, tiles.down_n), t)](
+        hidden, order, *sched, w_down.contiguous(), routed, groups, D=d, F=f, PRECISION=prec,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **launch,
+    )  # fmt: skip
+    grid = (triton_cdiv(n * h, tiles.combine_m), triton_cdiv(d, tiles.combine_d))
+    kern.combine_kernel[grid](
+        routed, weights.contiguous(), out, n * h, D=d, TOP_K=k, BLOCK_M=tiles.combine_m,
+        BLOCK_D=tiles.combine_d, num_warps=4,
+    )  # fmt: skip
+    return out
