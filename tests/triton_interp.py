@@ -1,8 +1,10 @@
 """Running headmoe's Triton kernels on CPU tensors under Triton's interpreter (tests only).
 
-Import this module before anything that may import a `*_kernels` module: triton decides
-between compiling and interpreting when a kernel is defined, from TRITON_INTERPRET at that
-moment, so it is set here first.
+Importing this module sets TRITON_INTERPRET=1. triton decides between compiling and
+interpreting when a kernel is defined, from TRITON_INTERPRET at that moment; headmoe's
+`*_kernels` modules are imported at the first kernel call, and a test module importing
+this one sets the variable at collection, before any test runs. (A process that imported
+the kernels without it gets a RuntimeError on CPU tensors, `triton_runtime.check_tensors`.)
 
 `row_local_dot`: the interpreter implements `tl.dot` with `numpy.matmul`, and numpy's
 OpenBLAS fp32 GEMM gives a row different bits depending on its position in the block

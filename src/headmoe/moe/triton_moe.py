@@ -49,10 +49,10 @@ class MoETiles:
     block_m: int = 128
     gate_n: int = 128
     gate_k: int = 64
-    down_n: int = 128
+    down_n: int = 256
     down_k: int = 64
-    combine_m: int = 32
-    combine_d: int = 128
+    combine_m: int = 16
+    combine_d: int = 256
     num_warps: int = 8
     num_stages: int = 3
 
@@ -68,6 +68,12 @@ DEFAULT_TILES = MoETiles()
 #: routing: tokens per program and d-step (the expert dim is one block of next_pow2(E))
 ROUTE_BLOCK_M = 32
 ROUTE_BLOCK_K = 32
+
+
+def supported(d: int, d_expert: int, tiles: MoETiles = DEFAULT_TILES) -> bool:
+    """Whether `experts_triton` takes head dim d and expert width d_expert with `tiles`
+    (d a multiple of `tiles.gate_k`, d_expert of `tiles.down_k`; MAGI-2: 256 and 1280)."""
+    return d % tiles.gate_k == 0 and d_expert % tiles.down_k == 0
 
 
 def _kernels():
@@ -119,7 +125,7 @@ def route_triton(
     kern[grid](
         z, gate.contiguous(), expert_bias.contiguous(), ids, weights, n, z.stride(0),
         z.stride(1), float(route_scale), ROUTE_EPS, H=h, E=e, D=d, TOP_K=top_k,
-        BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=_pow2(e), BLOCK_K=ROUTE_BLOCK_K, num_warps=4,
+        BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=_pow2(e), BLOCK_K=ROUTE_BLOCK_K, num_warps=8,
     )  # fmt: skip
     return ids, weights
 
@@ -132,30 +138,42 @@ def triton_cdiv(a: int, b: int) -> int:
 def group_schedule(
     route_group: torch.Tensor, groups: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort routes into groups and cut every group into tiles, on the routes' device.
+    """Sort routes into groups and lay every group out in whole tiles, on the routes' device.
 
-    route_group: `[R]` int64 group id (head*E + expert) of every route in flat `[N, h, k]`
-    order. Returns `(order, tile_group, tile_row, tile_end)`: order `[R]` int64, the routes
-    sorted by group (stable); and for every tile t < T = min(R, ceil(R/block_m) + groups)
-    (an upper bound of the tile count, known without a host sync): its group (int32, =
-    `groups` for the idle tail), its first sorted row and its group's end row (int32)."""
+    route_group: `[R]` int64 group id (head*E + expert) of every route, flat `[N, h, k]`
+    order. Tile t owns padded rows `[t*block_m, (t+1)*block_m)`; a group's tiles are
+    consecutive and its routes fill them in route order. The tile count has the upper
+    bound T = min(R, ceil(R/block_m) + groups), known without a host sync; tiles past the
+    last real one are idle. Returns `(tile_group, tile_rows, order, row)`: tile_group `[T]`
+    int32 (`groups` for idle tiles), tile_rows `[T]` int32 (real rows in the tile), order
+    `[R]` int64 (routes sorted by group, stable), row `[R]` int64 (padded row of
+    `order[i]`)."""
     r = route_group.numel()
     dev = route_group.device
     sorted_group, order = torch.sort(route_group, stable=True)
-    ids = torch.arange(groups, device=dev)
-    ends = torch.searchsorted(sorted_group, ids, right=True)
+    ends = torch.searchsorted(sorted_group, torch.arange(groups, device=dev), right=True)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     tiles = (counts + block_m - 1) // block_m
     tile_ends = tiles.cumsum(0)
+    first = tile_ends - tiles  # each group's first tile
     t = torch.arange(min(r, triton_cdiv(r, block_m) + groups), device=dev)
     tile_group = torch.searchsorted(tile_ends, t, right=True)
     g = tile_group.clamp_max(groups - 1)
-    tile_row = (ends - counts)[g] + (t - (tile_ends - tiles)[g]) * block_m
-    i32 = torch.int32
-    return order, tile_group.to(i32), tile_row.to(i32), ends[g].to(i32)
+    tile_rows = (counts[g] - (t - first[g]) * block_m).clamp(0, block_m)
+    tile_rows = torch.where(tile_group < groups, tile_rows, 0)
+    rank = torch.arange(r, device=dev) - (ends - counts)[sorted_group]  # index in its group
+    row = first[sorted_group] * block_m + rank
+    return tile_group.to(torch.int32), tile_rows.to(torch.int32), order, row
 
 
-def _check_experts_args(z, experts, weights, w_gate, w_up, w_down) -> None:
+def _desc(t: torch.Tensor, block_rows: int, block_cols: int):
+    """A TMA descriptor of the contiguous 2-d tensor t with blocks `[block_rows, block_cols]`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t.contiguous(), [block_rows, block_cols])
+
+
+def _check_experts_args(z, experts, weights, w_gate, w_up, w_down, tiles) -> None:
     """ValueError naming the first argument of `experts_triton` with a bad shape or dtype."""
     _check_float("z", z, 3)
     n, h, d = z.shape
@@ -171,6 +189,9 @@ def _check_experts_args(z, experts, weights, w_gate, w_up, w_down) -> None:
         if tuple(t.shape) != expected[name] or t.dtype != z.dtype or rows % h or rows == 0:
             raise ValueError(f"{name} must be {z.dtype} {expected[name]} (rows = h*E, h={h}), "
                              f"got {tuple(t.shape)} {t.dtype}")  # fmt: skip
+    if not supported(d, f, tiles):
+        raise ValueError(f"d={d} must be a multiple of tiles.gate_k={tiles.gate_k} and "
+                         f"d_expert={f} of tiles.down_k={tiles.down_k}")  # fmt: skip
 
 
 def experts_triton(
@@ -186,9 +207,11 @@ def experts_triton(
 
     z: `[N, h, d]` (bf16, fp16 or fp32); experts / weights: `[N, h, k]` int64 ascending ids
     in [0, E) / fp32, from `route`; w_gate, w_up: `[h*E, d, f]`, w_down: `[h*E, f, d]`, in
-    z's dtype. Returns `[N, h, d]` in z's dtype. Temporaries: `[N*h*k, f]` in z's dtype and
-    `[N*h*k, d]` fp32. `tiles` must be the same for every call whose rows are compared."""
-    _check_experts_args(z, experts, weights, w_gate, w_up, w_down)
+    z's dtype; d a multiple of `tiles.gate_k`, f of `tiles.down_k`. Returns `[N, h, d]` in
+    z's dtype. Temporaries: P = T*block_m padded rows (T from `group_schedule`, P < N*h*k +
+    h*E*block_m) of f in z's dtype and of d in fp32. Rows compared for bits must come from
+    calls with the same `tiles`."""
+    _check_experts_args(z, experts, weights, w_gate, w_up, w_down, tiles)
     kern = _kernels()
     check_tensors(kern.gate_up_kernel, z=z, experts=experts, weights=weights, w_gate=w_gate,
                   w_up=w_up, w_down=w_down)  # fmt: skip
@@ -201,27 +224,31 @@ def experts_triton(
         z = z.contiguous()
     heads = torch.arange(h, device=z.device).view(1, h, 1)
     route_group = (experts + heads * (groups // h)).reshape(-1)
-    order, tile_group, tile_row, tile_end = group_schedule(route_group, groups, tiles.block_m)
-    token, head = order // (h * k), (order // k) % h
-    src = token * z.stride(0) + head * z.stride(1)  # element offset of each sorted route's row
-    r, t = order.numel(), tile_group.numel()
-    hidden = torch.empty((r, f), dtype=z.dtype, device=z.device)
-    routed = torch.empty((r, d), dtype=torch.float32, device=z.device)
+    tile_group, tile_rows, order, row = group_schedule(route_group, groups, tiles.block_m)
+    rows = tile_group.numel() * tiles.block_m
+    src = torch.zeros(rows, dtype=torch.int64, device=z.device)  # z element offset per row
+    src[row] = order // (h * k) * z.stride(0) + (order // k) % h * z.stride(1)
+    pos = torch.empty_like(row)
+    pos[order] = row  # padded row of every route, flat [N, h, k] order
+    hidden = torch.empty((rows, f), dtype=z.dtype, device=z.device)
+    routed = torch.empty((rows, d), dtype=torch.float32, device=z.device)
     prec = "ieee" if z.dtype == torch.float32 else "tf32"
     launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    sched = (tile_group, tile_row, tile_end)
-    kern.gate_up_kernel[(triton_cdiv(f, tiles.gate_n), t)](
-        z, src, *sched, w_gate.contiguous(), w_up.contiguous(), hidden, groups, D=d, F=f,
-        LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION=prec, BLOCK_M=tiles.block_m,
+    bm = tiles.block_m
+    kern.gate_up_kernel[(triton_cdiv(f, tiles.gate_n), tile_group.numel())](
+        z, src, tile_group, tile_rows, _desc(w_gate.reshape(-1, f), tiles.gate_k, tiles.gate_n),
+        _desc(w_up.reshape(-1, f), tiles.gate_k, tiles.gate_n), _desc(hidden, bm, tiles.gate_n),
+        groups, D=d, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION=prec, BLOCK_M=bm,
         BLOCK_N=tiles.gate_n, BLOCK_K=tiles.gate_k, **launch,
     )  # fmt: skip
-    kern.down_kernel[(triton_cdiv(d, tiles.down_n), t)](
-        hidden, order, *sched, w_down.contiguous(), routed, groups, D=d, F=f, PRECISION=prec,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **launch,
+    kern.down_kernel[(triton_cdiv(d, tiles.down_n), tile_group.numel())](
+        _desc(hidden, bm, tiles.down_k), _desc(w_down.reshape(-1, d), tiles.down_k, tiles.down_n),
+        _desc(routed, bm, tiles.down_n), tile_group, groups, F=f, PRECISION=prec, BLOCK_M=bm,
+        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **launch,
     )  # fmt: skip
     grid = (triton_cdiv(n * h, tiles.combine_m), triton_cdiv(d, tiles.combine_d))
     kern.combine_kernel[grid](
-        routed, weights.contiguous(), out, n * h, D=d, TOP_K=k, BLOCK_M=tiles.combine_m,
-        BLOCK_D=tiles.combine_d, num_warps=4,
+        routed, pos, weights.contiguous(), out, n * h, D=d, TOP_K=k, BLOCK_M=tiles.combine_m,
+        BLOCK_D=tiles.combine_d, num_warps=tiles.num_warps,
     )  # fmt: skip
     return out

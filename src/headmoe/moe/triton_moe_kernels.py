@@ -5,7 +5,8 @@ kernels are compiled or interpreted (TRITON_INTERPRET). Shapes, dtypes and the i
 argument are in `headmoe.moe.triton_moe` and docs/moe.md section 3. Every kernel computes
 each output row from its own inputs only: tile shapes are compile-time constants, the
 reduction dims are walked in one fixed order, masked rows load zeros and are never stored,
-and there are no atomics.
+and there are no atomics. Dense operands (weights, the padded
+intermediates) go through TMA tensor descriptors.
 """
 
 from __future__ import annotations
@@ -71,94 +72,82 @@ def route_kernel(
 
 @triton.jit
 def gate_up_kernel(
-    z_ptr, src_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, wg_ptr, wu_ptr, h_ptr, groups,
-    D: tl.constexpr, F: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    z_ptr, src_ptr, tile_group_ptr, tile_rows_ptr, wg_desc, wu_desc, h_desc, groups,
+    D: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program: one row tile of one (head, expert) group x BLOCK_N columns of d_expert.
-    Gathers the tile's z rows (element offsets `src`), h = SwiGLU7(z W_gate, z W_up) with
-    fp32 accumulation, rounded to h's dtype, stored at the routes' sorted positions."""
+    """One program: tile `program_id(1)` (BLOCK_M padded rows of one (head, expert) group)
+    x BLOCK_N columns of d_expert. Gathers the tile's z rows (element offsets `src`; rows
+    past the tile's `tile_rows` load zeros), h = SwiGLU7(z W_gate, z W_up) accumulated in
+    fp32, rounded to h's dtype, stored at the tile's rows of h. Weights are read through
+    `[G*D, F]` descriptors (D a multiple of BLOCK_K, so a block never crosses groups)."""
     tile = tl.program_id(1)
     group = tl.load(tile_group_ptr + tile)
     if group >= groups:  # beyond the last tile of the schedule's upper bound
         return
-    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.load(tile_end_ptr + tile)
-    src = tl.load(src_ptr + rows, mask=rmask, other=0)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < F
+    local = tl.arange(0, BLOCK_M)
+    rmask = local < tl.load(tile_rows_ptr + tile)
+    row0 = tile * BLOCK_M
+    src = tl.load(src_ptr + row0 + local, mask=rmask, other=0)
+    n0 = tl.program_id(0) * BLOCK_N
     kk = tl.arange(0, BLOCK_K)
-    w_off = group.to(tl.int64) * D * F
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        kmask = (k0 + kk) < D
-        a = tl.load(z_ptr + src[:, None] + (k0 + kk)[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b_off = w_off + (k0 + kk)[:, None] * F + cols[None, :]
-        bmask = kmask[:, None] & cmask[None, :]
-        bg = tl.load(wg_ptr + b_off, mask=bmask, other=0.0)
-        bu = tl.load(wu_ptr + b_off, mask=bmask, other=0.0)
+        a = tl.load(z_ptr + src[:, None] + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+        bg = wg_desc.load([group * D + k0, n0])
+        bu = wu_desc.load([group * D + k0, n0])
         acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
     g = tl.minimum(acc_g, LIMIT)
     s = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
     u = tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT) + 1.0
     act = g * s * u
-    dst = h_ptr + rows.to(tl.int64)[:, None] * F + cols[None, :]
-    tl.store(dst, act.to(h_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    h_desc.store([row0, n0], act.to(h_desc.dtype))
 
 
 @triton.jit
 def down_kernel(
-    h_ptr, dest_ptr, tile_group_ptr, tile_row_ptr, tile_end_ptr, wd_ptr, y_ptr, groups,
-    D: tl.constexpr, F: tl.constexpr, PRECISION: tl.constexpr,
+    h_desc, wd_desc, y_desc, tile_group_ptr, groups,
+    F: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program: one row tile of one group x BLOCK_N columns of d. y = h W_down in fp32,
-    stored at each route's own row (`dest`: its flat index in `[N, h, k]`)."""
+    """One program: tile `program_id(1)` x BLOCK_N columns of d. y = h W_down accumulated
+    in fp32 over d_expert in steps of BLOCK_K, stored fp32 at the tile's rows of y."""
     tile = tl.program_id(1)
     group = tl.load(tile_group_ptr + tile)
     if group >= groups:
         return
-    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
-    rmask = rows < tl.load(tile_end_ptr + tile)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < D
-    kk = tl.arange(0, BLOCK_K)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * F
-    w_off = group.to(tl.int64) * F * D
+    row0 = tile * BLOCK_M
+    n0 = tl.program_id(0) * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
-        kmask = (k0 + kk) < F
-        a = tl.load(h_rows + (k0 + kk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(wd_ptr + w_off + (k0 + kk)[:, None] * D + cols[None, :],
-                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        a = h_desc.load([row0, k0])
+        b = wd_desc.load([group * F + k0, n0])
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    dest = tl.load(dest_ptr + rows, mask=rmask, other=0)
-    tl.store(y_ptr + dest[:, None] * D + cols[None, :], acc,
-             mask=rmask[:, None] & cmask[None, :])
+    y_desc.store([row0, n0], acc)
 
 
 @triton.jit
 def combine_kernel(
-    y_ptr, w_ptr, out_ptr, n_rows,
+    y_ptr, pos_ptr, w_ptr, out_ptr, n_rows,
     D: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """out[r] = sum_j w[r, j] * y[r, j] over the k routes in their stored (ascending expert)
-    order, fp32, rounded to out's dtype. y: `[rows, k, D]` fp32, w: `[rows, k]` fp32."""
+    """out[r] = sum_j w[r, j] * y[pos[r, j]] over the k routes in their stored (ascending
+    expert) order, fp32, rounded to out's dtype. y: `[P, D]` fp32 padded route rows; pos,
+    w: `[rows, k]` int64 row of each route in y / fp32 weight."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = rmask[:, None] & (cols < D)[None, :]
     route = rows.to(tl.int64) * TOP_K
     w = tl.load(w_ptr + route, mask=rmask, other=0.0)
-    y = tl.load(y_ptr + route[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    out = y * w[:, None]
+    src = tl.load(pos_ptr + route, mask=rmask, other=0)
+    out = tl.load(y_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0) * w[:, None]
     for j in tl.static_range(1, TOP_K):
         w = tl.load(w_ptr + route + j, mask=rmask, other=0.0)
-        y = tl.load(y_ptr + (route + j)[:, None] * D + cols[None, :], mask=mask, other=0.0)
+        src = tl.load(pos_ptr + route + j, mask=rmask, other=0)
+        y = tl.load(y_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0)
         out = out + y * w[:, None]
     dst = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
