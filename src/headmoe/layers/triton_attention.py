@@ -54,6 +54,11 @@ class AttentionTiles:
 DEFAULT_ATTENTION_TILES = AttentionTiles()
 
 
+def supported(head_dim: int) -> bool:
+    """Whether the kernel takes this head dim (a power of two >= 16)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def _kernels():
     from headmoe.layers import triton_attention_kernels
 
@@ -74,7 +79,7 @@ def _check_args(q, k, v, sinks) -> None:
         raise ValueError(f"k and v must be {q.dtype} like q, got {k.dtype} and {v.dtype}")
     if hq % k.shape[1]:
         raise ValueError(f"q heads ({hq}) must be a multiple of k/v heads ({k.shape[1]})")
-    if d < 16 or d & (d - 1):
+    if not supported(d):
         raise ValueError(f"head dim D must be a power of two >= 16, got {d}")
     if sinks.dtype != torch.float32 or tuple(sinks.shape) != (hq,):
         raise ValueError(f"sinks must be fp32 [{hq}], got {tuple(sinks.shape)} {sinks.dtype}")
