@@ -56,3 +56,36 @@ def check_tensors(kernel: object, **tensors: torch.Tensor) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"{names[0]} must be on a CUDA device (or the CPU), got {device}")
     return device
+
+
+def row_local_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """A replacement for the interpreter's `InterpreterBuilder.create_dot` whose bits do not
+    depend on a row's place in its block: acc += a[:, j] * b[j] for j = 0, 1, ... in the
+    accumulator's dtype (elementwise numpy ops).
+
+    Why: the interpreter implements `tl.dot` with `numpy.matmul`, and numpy's OpenBLAS fp32
+    GEMM gives a row different bits depending on its position in the block (measured with
+    numpy 2.4 / OpenBLAS 0.3.31: permuting the 32 rows of a 32x64 @ 64x64 product changed
+    18 rows in the last bit; fp16 operands go through the same fp32 GEMM). A GPU's MMA
+    computes every element the same way wherever its row sits (checked on the device by
+    benchmarks/gpu_check.py), so CPU checks of the kernels' batch invariance (their gathers,
+    masks, tiles and reduction orders) run with this dot."""
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    acc = np.array(d.data, copy=True)
+    a_data = a.data.astype(acc.dtype)
+    b_data = b.data.astype(acc.dtype)
+    for j in range(a_data.shape[-1]):
+        acc += a_data[..., :, j : j + 1] * b_data[..., j : j + 1, :]
+    return TensorHandle(acc, d.dtype.scalar)
+
+
+def install_row_local_dot() -> object:
+    """Make Triton's interpreter use `row_local_dot` in this process; returns the previous
+    `create_dot` (to restore it). For CPU checks only: compiled kernels are unaffected."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    previous = InterpreterBuilder.create_dot
+    InterpreterBuilder.create_dot = row_local_dot
+    return previous
