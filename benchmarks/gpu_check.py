@@ -41,12 +41,28 @@ import torch
 
 from headmoe.layers import triton_runtime
 from headmoe.layers.activations import swiglu7
-from headmoe.layers.triton_attention import triton_segment_attention, triton_sink_attention
+from headmoe.layers.triton_attention import (
+    DEFAULT_ATTENTION_TILES,
+    AttentionTiles,
+    triton_segment_attention,
+    triton_sink_attention,
+)
 from headmoe.moe import MoEConfig, MultiHeadMoE, experts_grouped, experts_reference, route
-from headmoe.moe.triton_moe import experts_triton, route_triton
+from headmoe.moe.triton_moe import DEFAULT_TILES, MoETiles, experts_triton, route_triton
 
 #: H200 dense bf16 tensor-core peak, TFLOP/s
 PEAK_TFLOPS = 989.0
+#: other fixed tiles timed beside the defaults (tuning data only; the defaults stay fixed).
+#: A dry run takes the first of each.
+MOE_SWEEP = (
+    dataclasses.replace(DEFAULT_TILES, num_stages=4),
+    dataclasses.replace(DEFAULT_TILES, block_m=64, num_warps=4),
+    dataclasses.replace(DEFAULT_TILES, down_n=128),
+)
+ATTENTION_SWEEP = (
+    AttentionTiles(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    AttentionTiles(block_m=128, block_n=64, num_warps=4, num_stages=3),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +151,14 @@ def tflops(flop: float, ms: float | None) -> str:
         return "ran (dry)"
     t = flop / ms / 1e9
     return f"{t:,.1f} TFLOP/s ({100 * t / PEAK_TFLOPS:.1f}% of {PEAK_TFLOPS:.0f}), {ms:.3f} ms"
+
+
+def tile_text(tiles: MoETiles | AttentionTiles) -> str:
+    """The fields of `tiles` that differ from the defaults, as "name=value" pairs."""
+    default = DEFAULT_TILES if isinstance(tiles, MoETiles) else DEFAULT_ATTENTION_TILES
+    diff = [f"{f.name}={getattr(tiles, f.name)}" for f in dataclasses.fields(tiles)
+            if getattr(tiles, f.name) != getattr(default, f.name)]  # fmt: skip
+    return ", ".join(diff)
 
 
 def mismatched_rows(a: Any, b: Any) -> int:
@@ -317,6 +341,8 @@ def bench_moe(rep: Report, sh: Shapes, dtype: torch.dtype, timer: Timer) -> None
             return experts_triton(inp["z"], ids, w, *inp["weights"])
 
         t_all = timer(both)
+        t_route = timer(lambda inp=inp: route_triton(inp["z"], inp["gate"], inp["bias"],
+                                                     sh.top_k, 4.9))  # fmt: skip
         loop_timer = Timer(timer.dry, max(1, min(timer.reps, 2)))
         t_loop = loop_timer(lambda z=z, ids=ids, w=w, wts=wts: experts_grouped(z, ids, w, *wts))
         t_dense = timer(dense_bound(routes, sh.d, sh.f, dtype))
@@ -324,11 +350,19 @@ def bench_moe(rep: Report, sh: Shapes, dtype: torch.dtype, timer: Timer) -> None
         ok = None if t_exp is None else flop / t_exp / 1e9 >= 0.3 * PEAK_TFLOPS
         rep.add("b", "experts, Triton", shape, tflops(flop, t_exp),
                 ">= 30% of peak" if big else "", ok if big else None)  # fmt: skip
+        rep.add("b", "routing alone, Triton (fp32 IEEE logits)", shape,
+                tflops(route_flop, t_route))  # fmt: skip
         rep.add("b", "routing + experts, Triton", shape, tflops(flop + route_flop, t_all))
         rep.add("b", "experts, per-group loop (experts_grouped on this device)", shape,
                 tflops(flop, t_loop))  # fmt: skip
         dense = f"dense {str(dtype).replace('torch.', '')} GEMMs of the same FLOPs (torch.mm)"
         rep.add("b", dense, shape, tflops(flop, t_dense))
+        if big:
+            for tiles in MOE_SWEEP[: 1 if timer.dry else None]:
+                ms = timer(lambda tiles=tiles, z=z, ids=ids, w=w, wts=wts: experts_triton(
+                    z, ids, w, *wts, tiles=tiles))  # fmt: skip
+                rep.add("b", f"experts, Triton, other tiles: {tile_text(tiles)}", shape,
+                        tflops(flop, ms))  # fmt: skip
         if t_exp is not None and t_loop is not None:
             ratio = t_loop / t_exp
             rep.add("b", "speed-up over the per-group loop", shape, f"{ratio:.1f}x",
@@ -351,6 +385,10 @@ def bench_attention(rep: Report, sh: Shapes, dtype: torch.dtype, timer: Timer) -
     t = timer(lambda: triton_segment_attention(q, k, v, segs, sinks, scale))
     ok = None if t is None else flop / t / 1e9 >= 0.4 * PEAK_TFLOPS
     rep.add("c", "sink attention, Triton", shape, tflops(flop, t), ">= 40% of peak", ok)
+    for tiles in ATTENTION_SWEEP[: 1 if timer.dry else None]:
+        ms = timer(lambda tiles=tiles: triton_segment_attention(q, k, v, segs, sinks, scale,
+                                                                tiles=tiles))  # fmt: skip
+        rep.add("c", f"sink attention, other tiles: {tile_text(tiles)}", shape, tflops(flop, ms))
     heads = [t_.transpose(0, 1).unsqueeze(0).contiguous() for t_ in (q, k, v)]
 
     def sdpa() -> Any:

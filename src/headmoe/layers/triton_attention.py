@@ -65,6 +65,22 @@ def _kernels():
     return triton_attention_kernels
 
 
+def _packed_heads(t: torch.Tensor) -> torch.Tensor:
+    """t `[L, heads, D]` itself when every row holds its heads side by side (strides
+    `(s, D, 1)`, s a multiple of 16 bytes: contiguous tensors and the q/k/v slices of a
+    packed qkv), else a contiguous copy."""
+    ok = t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.data_ptr() % 16 == 0
+    return t if ok and (t.stride(0) * t.element_size()) % 16 == 0 else t.contiguous()
+
+
+def _desc(t: torch.Tensor, rows: int):
+    """A TMA descriptor of t `[L, heads, D]` viewed `[L, heads*D]`, blocks `[rows, D]`."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    length, heads, d = t.shape
+    return TensorDescriptor(t, [max(length, 1), heads * d], [t.stride(0), 1], [rows, d])
+
+
 def _check_args(q, k, v, sinks) -> None:
     """ValueError naming the first bad argument of `triton_sink_attention`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -92,21 +108,33 @@ def triton_sink_attention(
     """Full (non-causal) attention of one segment with sink logits and GQA.
 
     q: `[Lq, Hq, D]`; k, v: `[Lk, Hkv, D]` with Hkv dividing Hq (query head j reads KV head
-    `j // (Hq / Hkv)`), same dtype (bf16, fp16 or fp32), last dim contiguous or copied;
+    `j // (Hq / Hkv)`), same dtype (bf16, fp16 or fp32); tensors whose rows do not hold
+    their heads side by side are copied first (`_packed_heads`);
     sinks: `[Hq]` fp32; D a power of two >= 16. Returns `[Lq, Hq, D]` in q's dtype, written
-    into `out` when given (a tensor of that shape and dtype with a contiguous last dim)."""
+    into `out` when given (that shape and dtype, strides `(s, D, 1)`)."""
     _check_args(q, k, v, sinks)
     kern = _kernels()
     check_tensors(kern.sink_attention_kernel, q=q, k=k, v=v, sinks=sinks)
-    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (_packed_heads(t) for t in (q, k, v))
     lq, hq, d = q.shape
     if out is None:
         out = torch.empty((lq, hq, d), dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
-        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim, "
-                         f"got {tuple(out.shape)} {out.dtype}")  # fmt: skip
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.stride(1) != d:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with heads packed in each "
+                         f"row, got {tuple(out.shape)} {out.dtype} strides {out.stride()}")  # fmt: skip
     if lq == 0:
         return out
+    if k.shape[0] == 0:
+        return out.zero_()
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    bm, bn = tiles.block_m, tiles.block_n
+    kern.sink_attention_kernel[(-(-lq // bm), hq)](
+        _desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(out, bm), sinks.contiguous(),
+        k.shape[0], float(scale) * kern.LOG2E, GROUP=hq // k.shape[1], HEAD_DIM=d,
+        PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return out
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (-(-lq // tiles.block_m), hq)
     kern.sink_attention_kernel[grid](
