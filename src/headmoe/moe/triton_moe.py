@@ -235,16 +235,17 @@ def experts_triton(
     prec = "ieee" if z.dtype == torch.float32 else "tf32"
     launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     bm = tiles.block_m
-    kern.gate_up_kernel[(triton_cdiv(f, tiles.gate_n), tile_group.numel())](
+    nb_gate, nb_down = triton_cdiv(f, tiles.gate_n), triton_cdiv(d, tiles.down_n)
+    kern.gate_up_kernel[(tile_group.numel() * nb_gate,)](
         z, src, tile_group, tile_rows, _desc(w_gate.reshape(-1, f), tiles.gate_k, tiles.gate_n),
         _desc(w_up.reshape(-1, f), tiles.gate_k, tiles.gate_n), _desc(hidden, bm, tiles.gate_n),
-        groups, D=d, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION=prec, BLOCK_M=bm,
-        BLOCK_N=tiles.gate_n, BLOCK_K=tiles.gate_k, **launch,
+        groups, D=d, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION=prec, N_BLOCKS=nb_gate,
+        BLOCK_M=bm, BLOCK_N=tiles.gate_n, BLOCK_K=tiles.gate_k, **launch,
     )  # fmt: skip
-    kern.down_kernel[(triton_cdiv(d, tiles.down_n), tile_group.numel())](
+    kern.down_kernel[(tile_group.numel() * nb_down,)](
         _desc(hidden, bm, tiles.down_k), _desc(w_down.reshape(-1, d), tiles.down_k, tiles.down_n),
-        _desc(routed, bm, tiles.down_n), tile_group, groups, F=f, PRECISION=prec, BLOCK_M=bm,
-        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **launch,
+        _desc(routed, bm, tiles.down_n), tile_group, groups, F=f, PRECISION=prec,
+        N_BLOCKS=nb_down, BLOCK_M=bm, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **launch,
     )  # fmt: skip
     grid = (triton_cdiv(n * h, tiles.combine_m), triton_cdiv(d, tiles.combine_d))
     kern.combine_kernel[grid](

@@ -74,14 +74,15 @@ def route_kernel(
 def gate_up_kernel(
     z_ptr, src_ptr, tile_group_ptr, tile_rows_ptr, wg_desc, wu_desc, h_desc, groups,
     D: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program: tile `program_id(1)` (BLOCK_M padded rows of one (head, expert) group)
-    x BLOCK_N columns of d_expert. Gathers the tile's z rows (element offsets `src`; rows
+    """One program: tile `program_id(0) // N_BLOCKS` (BLOCK_M padded rows of one (head,
+    expert) group) x columns block `program_id(0) % N_BLOCKS` (BLOCK_N of d_expert); a 1-d
+    grid, so the blocks of one tile run next to each other and share its rows in L2. Gathers the tile's z rows (element offsets `src`; rows
     past the tile's `tile_rows` load zeros), h = SwiGLU7(z W_gate, z W_up) accumulated in
     fp32, rounded to h's dtype, stored at the tile's rows of h. Weights are read through
     `[G*D, F]` descriptors (D a multiple of BLOCK_K, so a block never crosses groups)."""
-    tile = tl.program_id(1)
+    tile = tl.program_id(0) // N_BLOCKS
     group = tl.load(tile_group_ptr + tile)
     if group >= groups:  # beyond the last tile of the schedule's upper bound
         return
@@ -89,7 +90,7 @@ def gate_up_kernel(
     rmask = local < tl.load(tile_rows_ptr + tile)
     row0 = tile * BLOCK_M
     src = tl.load(src_ptr + row0 + local, mask=rmask, other=0)
-    n0 = tl.program_id(0) * BLOCK_N
+    n0 = (tl.program_id(0) % N_BLOCKS) * BLOCK_N
     kk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -109,17 +110,18 @@ def gate_up_kernel(
 @triton.jit
 def down_kernel(
     h_desc, wd_desc, y_desc, tile_group_ptr, groups,
-    F: tl.constexpr, PRECISION: tl.constexpr,
+    F: tl.constexpr, PRECISION: tl.constexpr, N_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One program: tile `program_id(1)` x BLOCK_N columns of d. y = h W_down accumulated
-    in fp32 over d_expert in steps of BLOCK_K, stored fp32 at the tile's rows of y."""
-    tile = tl.program_id(1)
+    """One program: tile `program_id(0) // N_BLOCKS` x columns block `program_id(0) %
+    N_BLOCKS` (BLOCK_N of d). y = h W_down accumulated in fp32 over d_expert in steps of
+    BLOCK_K, stored fp32 at the tile's rows of y."""
+    tile = tl.program_id(0) // N_BLOCKS
     group = tl.load(tile_group_ptr + tile)
     if group >= groups:
         return
     row0 = tile * BLOCK_M
-    n0 = tl.program_id(0) * BLOCK_N
+    n0 = (tl.program_id(0) % N_BLOCKS) * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
         a = h_desc.load([row0, k0])
