@@ -20,7 +20,6 @@ CPU-only install deselects these tests with `-m "not triton"`, it does not skip 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 
 import pytest
@@ -43,7 +42,7 @@ MISSING = (
 @pytest.fixture
 def interpreted(monkeypatch):
     """Triton's interpreter with the row-local dot; fails the test if triton is missing."""
-    if importlib.util.find_spec("triton") is None:
+    if not triton_runtime.available():
         pytest.fail(MISSING)
     from triton.runtime import interpreter
 
