@@ -17,11 +17,11 @@ the routes are sorted into (head, expert) groups on the device (`torch.sort`, st
 `torch.searchsorted`; no host sync) and cut into tiles of `block_m` rows, one tile per
 program, the grid sized by an upper bound (idle programs exit). Tile shapes are fixed by
 `MoETiles` (never by the row count: no autotuning, no split-K), every reduction dim is
-walked in one order, a tile's masked rows load zeros and are not stored, and the combine
-is a separate row-local pass: no atomics. A row's result therefore depends on its own z
-row, its group's weights and the tiles only, not on its tile mates or its place in a tile
-(the GPU's MMA computes every output element with the same instruction sequence;
-`benchmarks/gpu_check.py` checks it on the device).
+walked in one order, a tile's padding rows load zeros and land in rows nobody reads, and
+the combine is a separate row-local pass: no atomics. A row's result therefore depends on
+its own z row, its group's weights and the tiles only, provided the GPU's MMA gives an
+element the same bits wherever its row sits in a tile (expected of the hardware, not yet
+measured here: `benchmarks/gpu_check.py` checks it on the device).
 """
 
 from __future__ import annotations

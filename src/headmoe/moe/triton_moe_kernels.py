@@ -4,8 +4,8 @@ Importing this module imports triton; `triton.jit` decides at import time whethe
 kernels are compiled or interpreted (TRITON_INTERPRET). Shapes, dtypes and the invariance
 argument are in `headmoe.moe.triton_moe` and docs/moe.md section 3. Every kernel computes
 each output row from its own inputs only: tile shapes are compile-time constants, the
-reduction dims are walked in one fixed order, masked rows load zeros and are never stored,
-and there are no atomics. Dense operands (weights, the padded
+reduction dims are walked in one fixed order, masked rows load zeros and their results are
+never read, and there are no atomics. Dense operands (weights, the padded
 intermediates) go through TMA tensor descriptors.
 """
 
