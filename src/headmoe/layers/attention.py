@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from headmoe.layers import triton_attention, triton_runtime
+
 
 def sink_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float
@@ -22,8 +24,12 @@ def sink_attention(
 
     q, k, v: `[L, h, D]` (fp32 or bf16, same dtype); sinks: `[h]` fp32 sink logits of these
     heads; returns `[L, h, D]` in q's dtype. Scores, softmax and the weighted sum are
-    computed in fp32 (bf16 inputs are widened exactly).
+    computed in fp32 (bf16 inputs are widened exactly). On CUDA with triton installed: the
+    Triton kernel (`headmoe.layers.triton_attention`: bf16 operands with fp32 accumulation
+    and softmax, its own invariance contract).
     """
+    if triton_runtime.use_triton(q) and triton_attention.supported(q.shape[2]):
+        return triton_attention.triton_sink_attention(q, k, v, sinks, scale)
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
     length, h, d = q.shape

@@ -28,6 +28,8 @@ from headmoe.distributed.sharding import (
     dispatch_plan,
     head_shard,
 )
+from headmoe.layers import triton_runtime
+from headmoe.moe import triton_moe
 from headmoe.moe.checkpoint import MOE_ROW_TENSORS, fit_rows
 from headmoe.moe.config import MoEConfig
 from headmoe.moe.experts import experts_grouped
@@ -148,11 +150,16 @@ class MultiHeadMoE(nn.Module):
 
         z: `[N, real_heads, d]` in `config.dtype`; returns `[N, real_heads, d]`, same dtype."""
         rows = self.real_heads * self.config.num_experts
-        experts, weights = route(
+        route_fn, expert_fn = route, self.expert_compute
+        if expert_fn is experts_grouped and triton_runtime.use_triton(z) and triton_moe.supported(
+            z.shape[2], self.W_gate.shape[2]
+        ):  # CUDA with triton installed: the Triton kernels (docs/moe.md section 3)
+            route_fn, expert_fn = triton_moe.route_triton, triton_moe.experts_triton
+        experts, weights = route_fn(
             z, self.gate[:rows], self.router.expert_bias[:rows], self.config.top_k,
             self.config.route_scale,
         )
-        return self.expert_compute(
+        return expert_fn(
             z, experts, weights, self.W_gate[:rows], self.W_up[:rows], self.W_down[:rows]
         )
 
