@@ -16,13 +16,23 @@ MOE_EXCHANGES: tuple[str, ...] = ("auto", "ep_group", "sp_group")
 EXPERT_PARALLEL_STYLES: tuple[str, ...] = ("standard", "head")
 
 
+def is_int(value: Any) -> bool:
+    """True for an `int` that is not a `bool` (the one integer test of headmoe)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """True for an `int` or `float` that is not a `bool`."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def check_positive_int(name: str, value: Any) -> int:
     """Return `value` if it is a strict positive `int` (not bool), else raise `ValueError`.
 
     The message names the field and the offending value, e.g.
     ``ulysses_degree must be a positive int, got 0``.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return value
 

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from headmoe.config import is_int
 from headmoe.distributed.schedule import Exchange
 from headmoe.distributed.sharding import (
     REPLICA_POLICIES,
-    _is_int,
     replica_token_counts,
 )
 from headmoe.distributed.sharding import check_counts as _check_counts
@@ -62,7 +62,7 @@ class HeadLayout:
     def __post_init__(self) -> None:
         counts = _check_counts("token_counts", self.token_counts)
         world = len(counts)
-        if not _is_int(self.rank) or not 0 <= self.rank < world:
+        if not is_int(self.rank) or not 0 <= self.rank < world:
             raise ValueError(f"rank must be an int in [0, {world}), got {self.rank!r}")
         parts = self.replica_counts
         if parts is None:

@@ -29,19 +29,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from headmoe.config import check_positive_int
+from headmoe.config import check_positive_int, is_int
 
 REPLICA_POLICIES: tuple[str, ...] = ("run_totals", "balanced")
 MOE_EXCHANGE_MODES: tuple[str, ...] = ("auto", "ep_group", "sp_group")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_index(name: str, value: Any, size: int) -> int:
     """`value` if it is an int in [0, size), else `ValueError` naming `name`."""
-    if not _is_int(value) or not 0 <= value < size:
+    if not is_int(value) or not 0 <= value < size:
         raise ValueError(f"{name} must be an int in [0, {size}), got {value!r}")
     return value
 
@@ -51,13 +47,13 @@ def check_counts(name: str, counts: Any) -> tuple[int, ...]:
     if not isinstance(counts, tuple) or not counts:
         raise ValueError(f"{name} must be a non-empty tuple of ints, got {counts!r}")
     for i, c in enumerate(counts):
-        if not _is_int(c) or c < 0:
+        if not is_int(c) or c < 0:
             raise ValueError(f"{name}[{i}] must be a non-negative int, got {c!r}")
     return counts
 
 
 def check_replicas(replicas: Any, world: int) -> int:
-    if not _is_int(replicas) or replicas < 1 or world % replicas:
+    if not is_int(replicas) or replicas < 1 or world % replicas:
         raise ValueError(
             f"replicas must be a positive int dividing the group size {world}, got {replicas!r}"
         )

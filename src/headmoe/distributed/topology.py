@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from headmoe.config import ParallelConfig, check_positive_int
+from headmoe.config import ParallelConfig, check_positive_int, is_int
 from headmoe.distributed.sharding import ep_coords
 
 AXES: tuple[str, ...] = ("tp", "sp", "cfg", "dp", "ep")
@@ -74,7 +74,7 @@ class Topology:
 
     def coords(self, rank: int) -> Coords:
         """Coordinates of `rank`; raises `ValueError` for a rank outside the world."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+        if not is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an int in [0, {self.world_size}), got {rank!r}")
         tp = rank % self.tp
         rest = rank // self.tp

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from headmoe.config import is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import (
     ExchangeWorkspace,
@@ -228,7 +229,7 @@ class MultiHeadMoE(nn.Module):
             dist.all_gather(gathered, mine, group=sp_group)
             return tuple(int(c) for c in gathered)
         if not isinstance(token_counts, tuple | list) or len(token_counts) != sp or any(
-            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in token_counts
+            not is_int(c) or c < 0 for c in token_counts
         ):
             raise ValueError(
                 f"token_counts must be a tuple of {sp} non-negative ints (one per SP rank), "

@@ -30,6 +30,7 @@ import dataclasses
 
 import torch
 
+from headmoe.config import is_int
 from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
 from headmoe.layers.triton_runtime import check_tensors
 from headmoe.moe.routing import ROUTE_EPS
@@ -111,7 +112,7 @@ def route_triton(
     if expert_bias.dtype != torch.float32 or tuple(expert_bias.shape) != (h * e,):
         raise ValueError(f"expert_bias must be fp32 [{h * e}], got "
                          f"{tuple(expert_bias.shape)} {expert_bias.dtype}")  # fmt: skip
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+    if not is_int(top_k) or not 1 <= top_k <= e:
         raise ValueError(f"top_k must be an int in [1, {e}], got {top_k!r}")
     kern = _kernels().route_kernel
     check_tensors(kern, z=z, gate=gate, expert_bias=expert_bias)

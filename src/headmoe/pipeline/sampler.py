@@ -43,6 +43,8 @@ from typing import Protocol
 
 import torch
 
+from headmoe.config import is_int
+
 SAMPLERS: tuple[str, ...] = ("unipc", "euler")
 
 
@@ -57,7 +59,7 @@ def flow_sigmas(num_steps: int, shift: float = 7.0, num_train_timesteps: int = 1
     Raises `ValueError` naming the argument for ``num_steps < 1``, ``shift <= 0`` or
     ``num_train_timesteps < 2``.
     """
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+    if not is_int(num_steps) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
     if not (isinstance(shift, int | float) and math.isfinite(shift) and shift > 0):
         raise ValueError(f"shift must be a positive number, got {shift!r}")

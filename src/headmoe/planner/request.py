@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from headmoe.config import check_positive_int
+from headmoe.config import check_positive_int, is_int, is_number
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
 
 
@@ -34,10 +34,10 @@ class RequestShape:
             if not isinstance(values, tuple) or len(values) != n:
                 raise ValueError(f"{name} must be a tuple of ints, got {values!r}")
             for v in values:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                if not is_int(v) or v < 0:
                     raise ValueError(f"{name} must hold non-negative ints, got {values!r}")
         a = self.audio_tokens
-        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+        if not is_int(a) or a < 0:
             raise ValueError(f"audio_tokens must be a non-negative int, got {a!r}")
         if self.branch_tokens(0) == 0 or self.branch_tokens(1) == 0:
             raise ValueError(f"every branch needs at least one token, got {self!r}")
@@ -49,7 +49,7 @@ class RequestShape:
     ) -> RequestShape:
         """Token counts of a `num_frames`-frame `height` x `width` clip at `fps` (see the
         module docstring). Raises `ValueError` naming the argument and value."""
-        if isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0:
+        if not is_number(fps) or not fps > 0:
             raise ValueError(f"fps must be a positive number, got {fps!r}")
         for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
             check_positive_int(name, value)

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from headmoe.config import is_int
+
 #: seconds the harness waits for the other ranks once one rank has failed
 FAILURE_GRACE_S = 10.0
 
@@ -101,7 +103,7 @@ def run_ranks(
     Returns the per-rank return values in rank order. Raises `RankFailure` or `RankTimeout`
     (see the module docstring). `init_group=False` leaves process-group creation to `fn`.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

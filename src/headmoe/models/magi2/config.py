@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from headmoe.config import ParallelConfig, check_positive_int
+from headmoe.config import ParallelConfig, check_positive_int, is_int, is_number
 
 #: modality ids, in packing order ([video | audio | text]); modality-specific weights are
 #: stored modality-major in this order
@@ -71,7 +71,7 @@ class Magi2Config:
                 check_positive_int(f.name, getattr(self, f.name))
         layers = self.multimodal_layers
         if not isinstance(layers, tuple) or any(
-            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers
+            not is_int(i) or not 0 <= i < self.num_layers
             for i in layers
         ) or len(set(layers)) != len(layers):
             raise ValueError(
@@ -98,7 +98,7 @@ class Magi2Config:
                 f"params_dtype must be one of {sorted(PARAMS_DTYPES)}, got {self.params_dtype!r}"
             )
         factor = self.intermediate_factor
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or factor <= 0:
+        if not is_number(factor) or factor <= 0:
             raise ValueError(f"intermediate_factor must be a positive number, got {factor!r}")
 
     @staticmethod

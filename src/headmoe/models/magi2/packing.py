@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from headmoe.config import is_number
 from headmoe.models.magi2.config import AUDIO, TEXT, VIDEO, Magi2Config
 
 #: audio latents per rotary time unit: an audio run of L tokens spans (L-1)//8 + 1 positions
@@ -145,7 +146,7 @@ def _check_branches(branches: Sequence[BranchInput], config: Magi2Config) -> Non
                 )
         for name in ("t_video", "t_audio"):
             t = getattr(br, name)
-            if isinstance(t, bool) or not isinstance(t, int | float) or not 0.0 <= t <= 1.0:
+            if not is_number(t) or not 0.0 <= t <= 1.0:
                 raise ValueError(f"branches[{b}].{name} must be a float in [0, 1], got {t!r}")
     if sum(branch_length(br) for br in branches) == 0:
         raise ValueError("branches hold no tokens (video, audio and text all empty)")
