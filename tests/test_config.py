@@ -15,7 +15,7 @@ def test_expert_parallel_size_requires_enable():
 
 
 @pytest.mark.parametrize(
-    "field", ["ulysses_degree", "cfg_parallel_size", "data_parallel_size", "tensor_parallel_size"]
+    "field", ["ulysses_degree", "cfg_parallel_size", "data_parallel_size"]
 )
 @pytest.mark.parametrize("value", [0, -1, True, "2", 2.5, None])
 def test_sizes_must_be_positive_ints(field, value):
@@ -42,7 +42,6 @@ def test_world_size_ignores_ep():
     )
     assert c.world_size == 24
     assert c.sequence_parallel_size == 4
-    assert ParallelConfig(tensor_parallel_size=2, ulysses_degree=2).world_size == 4
 
 
 def test_dict_round_trip():
@@ -63,25 +62,14 @@ def test_frozen():
         c.ulysses_degree = 2  # type: ignore[misc]
 
 
-def test_style_rules():
-    c = ParallelConfig(ulysses_degree=4, enable_expert_parallel=True, expert_parallel_size=3)
-    with pytest.raises(ValueError, match="expert_parallel_size=3 must divide ulysses_degree=4"):
-        c.validate_for_style("head")
-    c = ParallelConfig(ulysses_degree=4, enable_expert_parallel=True, expert_parallel_size=8)
-    with pytest.raises(ValueError, match="expert_parallel_size=8 must divide ulysses_degree=4"):
-        c.validate_for_style("head")
-    c = ParallelConfig(ulysses_degree=2, tensor_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 must be 1"):
-        c.validate_for_style("head")
+def test_ep_rules():
+    for ep in (3, 8):
+        with pytest.raises(ValueError, match=f"expert_parallel_size={ep} must divide "
+                                             "ulysses_degree=4"):
+            ParallelConfig(ulysses_degree=4, enable_expert_parallel=True, expert_parallel_size=ep)
     c = ParallelConfig(ulysses_degree=2, enable_expert_parallel=True, expert_parallel_size=2)
-    with pytest.raises(ValueError, match="expert_parallel_size=2 cannot be set for a standard"):
-        c.validate_for_style("standard")
-    with pytest.raises(ValueError, match="expert_parallel_style must be one of .* got 'rows'"):
-        c.validate_for_style("rows")
-    # TP > 1 is fine for the head style while EP is off, and for the standard style
-    ParallelConfig(ulysses_degree=2, tensor_parallel_size=2).validate_for_style("head")
-    ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).validate_for_style(
-        "standard"
-    )
-    assert c.resolved_expert_parallel_size("head") == 2
-    assert ParallelConfig(ulysses_degree=8).resolved_expert_parallel_size("head") == 8
+    assert c.resolved_expert_parallel_size() == 2
+    assert ParallelConfig(ulysses_degree=8).resolved_expert_parallel_size() == 8
+    # the TP axis and the "standard" EP style are gone: no model used them
+    with pytest.raises(ValueError, match="unknown ParallelConfig field.*tensor_parallel_size"):
+        ParallelConfig.from_dict({"tensor_parallel_size": 1})

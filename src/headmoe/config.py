@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 MoEExchange = Literal["auto", "ep_group", "sp_group"]
 MOE_EXCHANGES: tuple[str, ...] = ("auto", "ep_group", "sp_group")
-EXPERT_PARALLEL_STYLES: tuple[str, ...] = ("standard", "head")
 
 
 def is_int(value: Any) -> bool:
@@ -41,8 +40,8 @@ def check_positive_int(name: str, value: Any) -> int:
 class ParallelConfig:
     """How one job's ranks are arranged.
 
-    World size = TP x SP x CFG x DP; expert parallelism never changes it (for MAGI-2 it only
-    says how each SP group is cut into EP runs for the MoE layers).
+    World size = SP x CFG x DP; expert parallelism never changes it (it only says how each
+    SP group is cut into EP runs for the MoE layers).
     """
 
     ulysses_degree: int = 1
@@ -56,16 +55,13 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """DP: independent requests; no communication."""
 
-    tensor_parallel_size: int = 1
-    """TP: reserved for weight sharding. Must be 1 when head-style expert parallelism is on."""
-
     enable_expert_parallel: bool = False
-    """Shard the MoE layers' experts over ranks (for head-style models: shard the MoE heads)."""
+    """Shard the MoE layers' heads over EP runs of the SP group (head-style expert
+    parallelism: each EP rank holds all experts of its heads)."""
 
     expert_parallel_size: int | None = None
-    """EP degree. Head style: must divide `ulysses_degree`; None means the whole SP group.
-    Standard style: must be None (the EP group spans TP x SP x CFG x DP). Setting it requires
-    `enable_expert_parallel`."""
+    """EP degree: must divide `ulysses_degree`; None means the whole SP group. Setting it
+    requires `enable_expert_parallel`."""
 
     moe_exchange: str = "auto"
     """Where MoE tokens are exchanged: "ep_group" (inside each EP run), "sp_group" (over the
@@ -77,7 +73,6 @@ class ParallelConfig:
             "ulysses_degree",
             "cfg_parallel_size",
             "data_parallel_size",
-            "tensor_parallel_size",
         ):
             check_positive_int(name, getattr(self, name))
         if not isinstance(self.enable_expert_parallel, bool):
@@ -91,6 +86,11 @@ class ParallelConfig:
                     f"expert_parallel_size={self.expert_parallel_size!r} requires "
                     "enable_expert_parallel=True"
                 )
+            if self.ulysses_degree % self.expert_parallel_size:
+                raise ValueError(
+                    f"expert_parallel_size={self.expert_parallel_size!r} must divide "
+                    f"ulysses_degree={self.ulysses_degree!r}"
+                )
         if self.moe_exchange not in MOE_EXCHANGES:
             raise ValueError(
                 f"moe_exchange must be one of {MOE_EXCHANGES}, got {self.moe_exchange!r}"
@@ -103,51 +103,15 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """TP x SP x CFG x DP. EP does not enter."""
-        return (
-            self.tensor_parallel_size
-            * self.ulysses_degree
-            * self.cfg_parallel_size
-            * self.data_parallel_size
-        )
+        """SP x CFG x DP. EP does not enter."""
+        return self.ulysses_degree * self.cfg_parallel_size * self.data_parallel_size
 
-    def resolved_expert_parallel_size(self, style: str = "head") -> int:
-        """The EP degree this config means for a model of `style` (validated by
-        `validate_for_style`): 1 with EP off for the standard style, the SP degree by default
-        for the head style (MAGI-2's "EP off" is EP = SP), otherwise the set value."""
-        self.validate_for_style(style)
-        if style == "standard":
-            return self.world_size if self.enable_expert_parallel else 1
+    def resolved_expert_parallel_size(self) -> int:
+        """The EP degree this config means: the SP degree with EP off or unset (MAGI-2's
+        "EP off" is EP = SP), otherwise the set value."""
         if self.expert_parallel_size is None or not self.enable_expert_parallel:
             return self.ulysses_degree
         return self.expert_parallel_size
-
-    def validate_for_style(self, style: str) -> None:
-        """Check the EP fields against a model's `expert_parallel_style`.
-
-        Raises `ValueError` naming the field and value."""
-        if style not in EXPERT_PARALLEL_STYLES:
-            raise ValueError(
-                f"expert_parallel_style must be one of {EXPERT_PARALLEL_STYLES}, got {style!r}"
-            )
-        if style == "standard":
-            if self.expert_parallel_size is not None:
-                raise ValueError(
-                    f"expert_parallel_size={self.expert_parallel_size!r} cannot be set for a "
-                    "standard-style model: its EP group spans TP x SP x CFG x DP"
-                )
-            return
-        if self.enable_expert_parallel and self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size!r} must be 1 when head-style "
-                "expert parallelism is enabled"
-            )
-        ep = self.expert_parallel_size
-        if ep is not None and self.ulysses_degree % ep != 0:
-            raise ValueError(
-                f"expert_parallel_size={ep!r} must divide ulysses_degree="
-                f"{self.ulysses_degree!r} for a head-style model"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields (JSON-serialisable)."""

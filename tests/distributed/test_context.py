@@ -24,7 +24,7 @@ def _exchange_rank_ids(ctx):
     """For every axis: all_to_all_single of this rank's id over the axis group, per dtype.
     Returns {axis: {dtype name: received list}}."""
     seen = {}
-    for axis in ("tp", "sp", "cfg", "dp", "ep"):
+    for axis in ("sp", "cfg", "dp", "ep"):
         group = ctx.group(axis)
         n = len(ctx.group_ranks(axis))
         assert (group is None) == (n == 1), axis
@@ -84,10 +84,9 @@ def test_bad_layout_creates_no_group(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append("init"))
     monkeypatch.setattr(dist, "new_group", lambda *a, **k: calls.append("new_group"))
-    for ep in (3, 8):
-        config = ParallelConfig(ulysses_degree=4, expert_parallel_size=ep, **EP)
+    for ep in (3, 8):  # refused by the config itself, before any context exists
         with pytest.raises(ValueError, match=f"expert_parallel_size={ep} must divide"):
-            ParallelContext.initialize(config, rank=0, world_size=4, init_method="file:///x")
+            ParallelConfig(ulysses_degree=4, expert_parallel_size=ep, **EP)
     with pytest.raises(ValueError, match="world_size=8 does not equal"):
         ParallelContext.initialize(
             ParallelConfig(ulysses_degree=4), rank=0, world_size=8, init_method="file:///x"

@@ -52,31 +52,19 @@ def test_sp2_dp2_ep2():
     assert t.ep_replicas == 1
 
 
-def test_tp2_sp4_cfg2_dp2_standard():
+def test_sp4_cfg2_dp2_ep2():
     t = plan_topology(
-        32,
-        cfg(
-            tensor_parallel_size=2,
-            ulysses_degree=4,
-            cfg_parallel_size=2,
-            data_parallel_size=2,
-            enable_expert_parallel=True,
-        ),
-        expert_parallel_style="standard",
+        16,
+        cfg(ulysses_degree=4, cfg_parallel_size=2, data_parallel_size=2,
+            enable_expert_parallel=True, expert_parallel_size=2),
     )
-    assert t.groups("tp") == [[2 * i, 2 * i + 1] for i in range(16)]
-    assert t.groups("sp") == [
-        [0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15],
-        [16, 18, 20, 22], [17, 19, 21, 23], [24, 26, 28, 30], [25, 27, 29, 31],
-    ]  # fmt: skip
-    assert t.groups("cfg") == [
-        [0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15],
-        [16, 24], [17, 25], [18, 26], [19, 27], [20, 28], [21, 29], [22, 30], [23, 31],
-    ]  # fmt: skip
-    assert t.groups("dp") == [[r, r + 16] for r in range(16)]
-    assert t.groups("ep") == [list(range(32))]
-    c = t.coords(27)  # 27 = 1 + 2 * (1 + 4 * (1 + 2 * 1))
-    assert (c.tp, c.sp, c.cfg, c.dp) == (1, 1, 1, 1)
+    assert t.groups("sp") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert t.groups("cfg") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14],
+                               [11, 15]]
+    assert t.groups("dp") == [[r, r + 8] for r in range(8)]
+    assert t.groups("ep") == [[2 * i, 2 * i + 1] for i in range(8)]
+    c = t.coords(13)  # 13 = 1 + 4 * (1 + 2 * 1)
+    assert (c.sp, c.cfg, c.dp, c.ep, c.ep_run) == (1, 1, 1, 1, 0)
 
 
 @pytest.mark.parametrize(
@@ -105,34 +93,24 @@ def test_bad_axis_and_rank():
 
 @st.composite
 def layouts(draw):
-    tp = draw(st.integers(1, 3))
     sp = draw(st.integers(1, 8))
     cfg_ = draw(st.integers(1, 2))
     dp = draw(st.integers(1, 3))
-    style = draw(st.sampled_from(["head", "standard"]))
     enable = draw(st.booleans())
     ep = None
-    if style == "head" and enable:
-        tp = 1
+    if enable:
         ep = draw(st.sampled_from([d for d in range(1, sp + 1) if sp % d == 0] + [None]))
-    config = ParallelConfig(
-        tensor_parallel_size=tp,
-        ulysses_degree=sp,
-        cfg_parallel_size=cfg_,
-        data_parallel_size=dp,
-        enable_expert_parallel=enable,
-        expert_parallel_size=ep,
-    )
-    return config, style
+    return ParallelConfig(ulysses_degree=sp, cfg_parallel_size=cfg_, data_parallel_size=dp,
+                          enable_expert_parallel=enable, expert_parallel_size=ep)
 
 
 @settings(max_examples=150, deadline=None)
 @given(layouts())
 def test_properties(layout):
-    config, style = layout
+    config = layout
     world = config.world_size
-    t = plan_topology(world, config, style)
-    degree = {"tp": t.tp, "sp": t.sp, "cfg": t.cfg, "dp": t.dp}
+    t = plan_topology(world, config)
+    degree = {"sp": t.sp, "cfg": t.cfg, "dp": t.dp}
     for axis in AXES:
         groups = t.groups(axis)
         flat = sorted(r for g in groups for r in g)
@@ -151,19 +129,13 @@ def test_properties(layout):
                 assert [getattr(c, axis) for c in coords] == list(range(degree[axis]))
     for r in range(world):
         c = t.coords(r)
-        assert t.rank_of(c.tp, c.sp, c.cfg, c.dp) == r
-    ep_groups = t.groups("ep")
-    if style == "head":
-        e = t.expert_parallel_size
-        assert t.ep_replicas * e == t.sp
-        for g in ep_groups:
-            coords = [t.coords(r) for r in g]
-            assert len(g) == e
-            assert len({(c.tp, c.cfg, c.dp) for c in coords}) == 1
-            sps = [c.sp for c in coords]
-            assert sps == list(range(sps[0], sps[0] + e)) and sps[0] % e == 0
-            assert [c.ep for c in coords] == list(range(e))
-    elif config.enable_expert_parallel:
-        assert ep_groups == [list(range(world))]
-    else:
-        assert ep_groups == [[r] for r in range(world)]
+        assert t.rank_of(c.sp, c.cfg, c.dp) == r
+    e = t.expert_parallel_size
+    assert t.ep_replicas * e == t.sp
+    for g in t.groups("ep"):
+        coords = [t.coords(r) for r in g]
+        assert len(g) == e
+        assert len({(c.cfg, c.dp) for c in coords}) == 1
+        sps = [c.sp for c in coords]
+        assert sps == list(range(sps[0], sps[0] + e)) and sps[0] % e == 0
+        assert [c.ep for c in coords] == list(range(e))

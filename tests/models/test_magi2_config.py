@@ -55,7 +55,6 @@ def test_presets_and_layer_ids():
     t = get_config("tiny")
     assert t.dense_layer_ids == (0, 1, 4, 5) and t.moe_layer_ids == (2, 3)
     assert (t.hidden_size, t.head_dim, t.moe_num_heads, t.moe_head_dim) == (384, 16, 12, 32)
-    assert Magi2Transformer.expert_parallel_style == "head"
     assert get_config("tiny", num_layers=3, multimodal_layers=(0,)).moe_layer_ids == (1, 2)
 
 
@@ -129,7 +128,6 @@ def test_bad_config_names_field(overrides, field):
 @pytest.mark.parametrize(
     ("parallel", "words"),
     [(ParallelConfig(ulysses_degree=5), ["num_attention_heads=24", "ulysses_degree=5"]),
-     (ParallelConfig(ulysses_degree=2, tensor_parallel_size=2), ["tensor_parallel_size=2"]),
      (ParallelConfig(ulysses_degree=2, cfg_parallel_size=3), ["cfg_parallel_size=3"])],
 )
 def test_parallel_validation(parallel, words):

@@ -169,7 +169,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
                 f"{parallel.cfg_parallel_size} x --data-parallel-size "
                 f"{parallel.data_parallel_size} = {parallel.world_size}"
             )
-        plan_topology(world, parallel, "head")
+        plan_topology(world, parallel)
         if args.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {args.timeout!r}")
         output = Path(args.output)

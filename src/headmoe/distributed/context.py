@@ -47,12 +47,10 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def single(
-        cls, config: ParallelConfig | None = None, expert_parallel_style: str = "head"
-    ) -> ParallelContext:
+    def single(cls, config: ParallelConfig | None = None) -> ParallelContext:
         """A one-rank context; every group is None and no collective is ever issued."""
         config = config or ParallelConfig()
-        topo = plan_topology(1, config, expert_parallel_style)
+        topo = plan_topology(1, config)
         return cls(topology=topo, rank=0, _groups={a: None for a in AXES})
 
     @classmethod
@@ -60,7 +58,6 @@ class ParallelContext:
         cls,
         config: ParallelConfig,
         *,
-        expert_parallel_style: str = "head",
         rank: int | None = None,
         world_size: int | None = None,
         init_method: str | None = None,
@@ -90,7 +87,7 @@ class ParallelContext:
                 rank = _env_int("RANK")
             if world_size is None:
                 world_size = _env_int("WORLD_SIZE")
-        topo = plan_topology(world_size, config, expert_parallel_style)
+        topo = plan_topology(world_size, config)
         topo.coords(rank)
         if not dist.is_initialized():
             chosen = backend or default_backend()
@@ -153,7 +150,7 @@ class ParallelContext:
         return self.topology.coords(self.rank)
 
     def group(self, axis: str) -> Any:
-        """This rank's process group of `axis` ("tp", "sp", "cfg", "dp", "ep"); None when the
+        """This rank's process group of `axis` ("sp", "cfg", "dp", "ep"); None when the
         group has one rank."""
         if axis not in AXES:
             raise ValueError(f"axis must be one of {AXES}, got {axis!r}")

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from headmoe.config import check_positive_int, is_int
+from headmoe.config import MOE_EXCHANGES, check_positive_int, is_int
 
 REPLICA_POLICIES: tuple[str, ...] = ("run_totals", "balanced")
-MOE_EXCHANGE_MODES: tuple[str, ...] = ("auto", "ep_group", "sp_group")
 
 
 def check_index(name: str, value: Any, size: int) -> int:
@@ -189,7 +188,7 @@ def resolve_exchange(mode: str, sp_size: int, ep_size: int) -> str:
     "ep_group". "auto" is "ep_group": the replicated exchange moves (SP-1)/SP instead of
     (E-1)/E of the rows over more peers and measured slower, while the balanced SP split
     leaves EP runs within E tokens of each other (measurements in docs/moe.md)."""
-    if mode not in MOE_EXCHANGE_MODES:
+    if mode not in MOE_EXCHANGES:
         raise ValueError(f"moe_exchange must be 'auto', 'ep_group' or 'sp_group', got {mode!r}")
     return "sp_group" if mode == "sp_group" and ep_size < sp_size else "ep_group"
 

@@ -113,11 +113,6 @@ class MultiHeadMoE(nn.Module):
             delivered = head_shard(heads, 1, 0)
         else:
             topo = context.topology
-            if topo.expert_parallel_style != "head":
-                raise ValueError(
-                    "context.topology.expert_parallel_style must be 'head' for "
-                    f"MultiHeadMoE, got {topo.expert_parallel_style!r}"
-                )
             e = topo.expert_parallel_size
             own = shard or head_shard(heads, e, context.coords.ep)
             plan = dispatch_plan(context.config.moe_exchange, (1,) * topo.sp, context.coords.sp,

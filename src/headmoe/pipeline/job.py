@@ -318,7 +318,7 @@ def run_request(
         "sidecar": None,
         "step_times_s": step_times,
     }
-    if (coords.tp, coords.sp, coords.cfg) != (0, 0, 0):
+    if (coords.sp, coords.cfg) != (0, 0):
         return result
     frames = parts.video_decoder.decode(xv.float().cpu(), req.num_frames)
     wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)

@@ -37,7 +37,6 @@ def parse_layout(name: str) -> ParallelConfig:
         data_parallel_size=sizes.get("dp", 1), enable_expert_parallel=explicit,
         expert_parallel_size=ep if explicit else None, moe_exchange=mode,
     )
-    parallel.validate_for_style("head")
     return parallel
 
 
@@ -49,7 +48,7 @@ def layout_name(parallel: ParallelConfig) -> str:
         parts.append(f"cfg{parallel.cfg_parallel_size}")
     if parallel.data_parallel_size > 1:
         parts.append(f"dp{parallel.data_parallel_size}")
-    ep = parallel.resolved_expert_parallel_size("head")
+    ep = parallel.resolved_expert_parallel_size()
     if ep != parallel.ulysses_degree:
         parts.append(f"ep{ep}")
     if parallel.moe_exchange != "auto":

@@ -143,7 +143,7 @@ def layout_topology(model: Magi2Config, parallel: ParallelConfig) -> Topology:
     """`plan_topology` of a layout after the model's own checks (`ValueError` naming the
     field)."""
     validate_parallel(model, parallel)
-    return plan_topology(parallel.world_size, parallel, "head")
+    return plan_topology(parallel.world_size, parallel)
 
 
 def _context(model: Magi2Config, ep_size: int, ep_rank: int) -> ParallelContext:

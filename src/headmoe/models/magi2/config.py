@@ -300,17 +300,11 @@ def get_config(name: str, **overrides: Any) -> Magi2Config:
 def validate_parallel(config: Magi2Config, parallel: ParallelConfig) -> None:
     """Check a model config against a parallel config (pure arithmetic, before any
     collective); raises `ValueError` naming the fields and values."""
-    parallel.validate_for_style("head")
     sp = parallel.ulysses_degree
     if config.num_attention_heads % sp:
         raise ValueError(
             f"num_attention_heads={config.num_attention_heads} must be divisible by "
             f"ulysses_degree={sp}"
-        )
-    if parallel.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={parallel.tensor_parallel_size} is not supported by the "
-            "MAGI-2 transformer (must be 1)"
         )
     if parallel.cfg_parallel_size not in (1, 2):
         raise ValueError(

@@ -326,8 +326,6 @@ class Magi2Transformer(nn.Module):
     layers; see the module docstring for the rest. Parameters start at zeros (identity
     norms); load weights with `load_checkpoint`. Inference only."""
 
-    expert_parallel_style = "head"
-
     def __init__(
         self, config: Magi2Config, context: ParallelContext | None = None,
         dtype: torch.dtype = torch.float32,
