@@ -33,8 +33,9 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed.counters import Counters
 from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.pipeline.encoders import ByteTextEncoder
+from headmoe.pipeline.request import DTYPES
 from headmoe.planner.layouts import layout_name, parse_layout
-from headmoe.planner.predict import DTYPES, forward_counters
+from headmoe.planner.predict import forward_counters
 from headmoe.planner.request import RequestShape
 
 #: generate options compare sets itself (by argparse dest)

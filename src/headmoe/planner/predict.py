@@ -35,8 +35,6 @@ from headmoe.moe import moe_row_slice, plan_dispatch
 from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
 from headmoe.planner.request import RequestShape
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
