@@ -83,25 +83,12 @@ class ParallelContext:
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(), dist.get_world_size()
         else:
-            if rank is None:
-                rank = _env_int("RANK")
-            if world_size is None:
-                world_size = _env_int("WORLD_SIZE")
+            rank = _env_int("RANK") if rank is None else rank
+            world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
         topo = plan_topology(world_size, config)
         topo.coords(rank)
         if not dist.is_initialized():
-            chosen = backend or default_backend()
-            if device is None and chosen == "nccl":
-                device = torch.device("cuda", local_cuda_index(rank, torch.cuda.device_count()))
-            if device is not None and device.type == "cuda" and device.index is not None:
-                torch.cuda.set_device(device)
-            dist.init_process_group(
-                backend=chosen,
-                init_method=init_method or "env://",
-                rank=rank,
-                world_size=world_size,
-                timeout=timeout,
-            )
+            device = _init_default_group(rank, world_size, init_method, backend, timeout, device)
             owns_default = True
         if device is None:
             device = (
@@ -209,3 +196,18 @@ def _env_int(name: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name} must be an int, got {value!r}") from None
+
+
+def _init_default_group(rank: int, world_size: int, init_method: str | None,
+                        backend: str | None, timeout: timedelta,
+                        device: torch.device | None) -> torch.device | None:
+    """Initialise the default group (NCCL ranks first make their own GPU current); returns
+    the device the rank uses (None: decided after the group exists)."""
+    chosen = backend or default_backend()
+    if device is None and chosen == "nccl":
+        device = torch.device("cuda", local_cuda_index(rank, torch.cuda.device_count()))
+    if device is not None and device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=chosen, init_method=init_method or "env://", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    return device

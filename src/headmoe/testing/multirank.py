@@ -119,51 +119,55 @@ def run_ranks(
         )
         p.start()
         procs.append(p)
-
-    outputs: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(outputs) + len(failures) < world_size:
-            now = time.monotonic()
-            if failures:
-                deadline = min(deadline, now + FAILURE_GRACE_S)
-            if now >= deadline:
-                break
-            try:
-                status, rank, payload = results.get(timeout=min(0.2, deadline - now))
-            except queue_mod.Empty:
-                # A process that died without reporting (segfault, os._exit) is a failure.
-                for rank, p in enumerate(procs):
-                    if (
-                        not p.is_alive()
-                        and rank not in outputs
-                        and rank not in failures
-                        and p.exitcode not in (None, 0)
-                    ):
-                        failures[rank] = f"process exited with code {p.exitcode} without a result"
-                continue
-            if status == "ok":
-                outputs[rank] = payload
-            else:
-                failures[rank] = payload
+        outputs, failures = _collect(results, procs, timeout)
         pending = sorted(set(range(world_size)) - set(outputs) - set(failures))
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=10)
-        try:
-            os.remove(init_file)
-        except OSError:
-            pass
-        try:
-            os.rmdir(tmpdir)
-        except OSError:
-            pass
+        _reap(procs, init_file, tmpdir)
     if failures:
         raise RankFailure(failures, pending)
     if pending:
         raise RankTimeout(pending, timeout)
     return [outputs[r] for r in range(world_size)]
+
+
+def _collect(results: Any, procs: list, timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
+    """Every rank's result or failure until all reported, `timeout` passed, or
+    `FAILURE_GRACE_S` after the first failure."""
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) + len(failures) < len(procs):
+        now = time.monotonic()
+        if failures:
+            deadline = min(deadline, now + FAILURE_GRACE_S)
+        if now >= deadline:
+            break
+        try:
+            status, rank, payload = results.get(timeout=min(0.2, deadline - now))
+        except queue_mod.Empty:
+            # A process that died without reporting (segfault, os._exit) is a failure.
+            for rank, p in enumerate(procs):
+                if (not p.is_alive() and rank not in outputs and rank not in failures
+                        and p.exitcode not in (None, 0)):
+                    failures[rank] = f"process exited with code {p.exitcode} without a result"
+            continue
+        if status == "ok":
+            outputs[rank] = payload
+        else:
+            failures[rank] = payload
+    return outputs, failures
+
+
+def _reap(procs: list, init_file: str, tmpdir: str) -> None:
+    """Kill what still runs, join everything, remove the rendezvous files."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+    for remove, path in ((os.remove, init_file), (os.rmdir, tmpdir)):
+        try:
+            remove(path)
+        except OSError:
+            pass
