@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ def check_num_frames(n: int) -> None:
     if n >= 1 and (n - 1) % TEMPORAL_STRIDE == 0:
         return
     low = (max(n, 1) - 1) // TEMPORAL_STRIDE * TEMPORAL_STRIDE + 1
-    near = sorted({v for v in (low, low + TEMPORAL_STRIDE) if v >= 1})
+    near = [1] if n < 1 else [low, low + TEMPORAL_STRIDE]
     raise UserError(f"--num-frames {n} is not of the form 4k+1 (the video decoder makes 1 + 4k "
                     f"frames), use {' or '.join(map(str, near))}")
 
@@ -109,9 +110,13 @@ def check_output(output: Path, overwrite: bool, dp_size: int) -> None:
     if not parent.is_dir():
         raise UserError(f"--output {str(output)!r}: folder {str(parent)!r} does not exist, "
                         "create it first or pick another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"--output {str(output)!r}: folder {str(parent)!r} is not writable, "
-                        "pick a writable folder")
+    try:  # a real probe: permission bits do not stop root, read-only mounts stop everyone
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".headmoe-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"--output {str(output)!r}: folder {str(parent)!r} is not writable "
+                        f"({e.strerror}), pick a writable folder") from None
     for f in _output_files(output, dp_size):
         if f.is_dir():
             raise UserError(f"--output {str(output)!r}: {str(f)!r} is a folder, "
