@@ -326,3 +326,69 @@ def test_broken_pipe_exits_quietly(tmp_path):
     proc.stdout.close()  # like `| head -1`
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and first.strip() == b"{" and err == "", err
+
+
+# ---------------------------------------------------------------------- plan and compare
+@pytest.mark.parametrize("world, pattern", [("0", r"--world-size must be a positive number of "
+                                                  r"ranks, got 0, e.g. --world-size 8"),
+                                            ("-2", r"--world-size .* got -2")])
+def test_plan_world_size_validated(world, pattern, capsys):
+    assert main(["plan", "--world-size", world]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r"headmoe: error: " + pattern, err[0]), err
+
+
+def test_plan_suggests_memory_gib_when_nothing_fits(capsys):
+    assert main(["plan", "--world-size", "8", "--memory-gib", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(r"fits no layout .* pass --memory-gib 44 or more", err[0])
+
+
+def test_plan_4096_ranks_in_seconds(capsys):
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["plan", "--world-size", "4096", "--json"]) == 0
+    elapsed = time.perf_counter() - t0
+    data = json.loads(capsys.readouterr().out)
+    assert elapsed < 30, elapsed  # 109 s before DP replicas were predicted once
+    assert all(len(p["moe_rows_per_rank"]) == 4096 for p in data["layouts"])
+    assert sum(p["recommended"] for p in data["layouts"]) == 1
+
+
+class _Recorder:
+    def __init__(self):
+        self.cmds = []
+
+    def __call__(self, cmd):
+        self.cmds.append(cmd)
+        raise AssertionError("no layout may run")
+
+
+def test_compare_validates_every_layout_before_running_any(tmp_path, capsys):
+    from headmoe.cli.compare import main as compare_main
+
+    runner = _Recorder()
+    code = compare_main(["--layouts", "sp1", "sp5", "--prompt", "x", "--output-dir",
+                         str(tmp_path)], runner=runner)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and runner.cmds == [] and len(err) == 1, err
+    assert re.match(r"headmoe: error: --layouts 'sp5' cannot run model 'tiny': .*divisible", err[0])
+    assert list(tmp_path.iterdir()) == []
+    code = compare_main(["--layouts", "sp1", "--prompt", "x", "--num-frames", "6"], runner=runner)
+    assert code == 2 and runner.cmds == [] and "use 5 or 9" in capsys.readouterr().err
+
+
+def test_compare_forwards_dash_values_safely(tmp_path, capsys):
+    from headmoe.cli.compare import main as compare_main
+    from headmoe.cli.main import build_parser
+
+    runner = _Recorder()
+    argv = ["--layouts", "sp1", "--prompt=-fox", "--negative-prompt=-blur", "--output-dir",
+            str(tmp_path)]
+    assert compare_main(argv, runner=runner) == 1  # the recorder's run "fails"
+    (cmd,) = runner.cmds
+    assert "--prompt=-fox" in cmd and "--negative-prompt=-blur" in cmd
+    args = build_parser().parse_args(cmd[cmd.index("generate"):])
+    assert args.prompt == "-fox" and args.negative_prompt == "-blur"
+    assert "no layout may run" in capsys.readouterr().err
