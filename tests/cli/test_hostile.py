@@ -392,3 +392,116 @@ def test_compare_forwards_dash_values_safely(tmp_path, capsys):
     args = build_parser().parse_args(cmd[cmd.index("generate"):])
     assert args.prompt == "-fox" and args.negative_prompt == "-blur"
     assert "no layout may run" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- runs that must fail
+SMALL = ("--num-inference-steps", "1", "--height", "16", "--width", "16", "--num-frames", "1")
+
+
+def test_nan_weight_fails_the_run_not_a_black_mp4(tmp_path, cache, tiny_tensors, capsys):
+    bad = dict(tiny_tensors)
+    name = next(n for n in bad if ".layers.1." in n and n.endswith(".weight"))
+    bad[name] = bad[name].clone()
+    bad[name].view(-1)[0] = float("nan")
+    path = write_checkpoint(tmp_path / "ck", bad)
+    code, out = generate(tmp_path, cache, *_model_flags(path), *SMALL)
+    assert_refused(capsys, code, out, r"NaN in the predicted (video|audio) velocity of the "
+                   r"conditional branch at denoising step 1/1 .*--check-weights", 1)
+    code, out = generate(tmp_path, cache, *_model_flags(path), *SMALL, "--debug")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "Traceback" in "\n".join(err)
+    assert re.match(r"headmoe: error: NaN first appears in the output of transformer layer 1 ",
+                    err[-1]), err[-1]
+    assert not out.exists()
+
+
+def _rank_pids(parent: int) -> list[int]:
+    kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    pids = []
+    for pid in kids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            pids.append(int(pid))
+    return sorted(pids)
+
+
+@pytest.mark.multirank
+def test_stopped_rank_is_named_within_the_timeout(tmp_path, cache):
+    import signal
+    import threading
+    import time
+
+    out = tmp_path / "hung.mp4"
+    timeout = 15
+    cmd = [HEADMOE, "generate", "--prompt", "x", "--nproc", "2", "--ulysses-degree", "2",
+           "--num-inference-steps", "50", "--cache-dir", str(cache), "--output", str(out),
+           "--timeout", str(timeout)]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    err = bytearray()
+    reader = threading.Thread(
+        target=lambda: [err.extend(c) for c in iter(lambda: proc.stderr.read1(4096), b"")],
+        daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while b" 2/50 " not in err and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    victims = _rank_pids(proc.pid)
+    assert proc.poll() is None and len(victims) == 2, err.decode(errors="replace")
+    os.kill(victims[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        code = proc.wait(timeout=timeout + 90)
+    finally:
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    elapsed = time.monotonic() - t0
+    reader.join(timeout=5)
+    lines = [ln for ln in err.decode(errors="replace").splitlines() if "headmoe: error" in ln]
+    assert code == 1 and len(lines) == 1, err.decode(errors="replace")[-3000:]
+    assert re.search(r"rank 1 \(last at step \d+/50\) stopped responding: rank 0 waited "
+                     rf"--timeout {timeout} s", lines[0]), lines[0]
+    assert elapsed < timeout + 60, elapsed
+    assert not out.exists() and not out.with_suffix(".json").exists()
+
+
+@pytest.mark.multirank
+def test_ctrl_c_stops_a_multirank_run_within_seconds(tmp_path, cache):
+    import signal
+    import threading
+    import time
+
+    out = tmp_path / "int.mp4"
+    cmd = [HEADMOE, "generate", "--prompt", "x", "--nproc", "2", "--ulysses-degree", "2",
+           "--num-inference-steps", "50", "--cache-dir", str(cache), "--output", str(out)]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            start_new_session=True)
+    err = bytearray()
+    reader = threading.Thread(
+        target=lambda: [err.extend(c) for c in iter(lambda: proc.stderr.read1(4096), b"")],
+        daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while b" 2/50 " not in err and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, err.decode(errors="replace")
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
+    t0 = time.monotonic()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    elapsed = time.monotonic() - t0
+    reader.join(timeout=5)
+    text = err.decode(errors="replace")
+    assert code == 130 and elapsed < 15, (code, elapsed, text[-3000:])
+    assert text.strip().splitlines()[-1] == "headmoe: interrupted" and "Traceback" not in text
+    assert not out.exists()
