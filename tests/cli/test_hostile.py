@@ -114,10 +114,16 @@ def test_prompt_file_refused(content, pattern, tmp_path, cache, capsys):
     assert_refused(capsys, code, out, pattern)
 
 
-@pytest.mark.parametrize("prompt", [(), ("--prompt", "x", "--prompt-file", "p.txt")])
-def test_exactly_one_prompt_source(prompt, tmp_path, cache, capsys):
-    code, out = generate(tmp_path, cache, prompt=prompt)
-    assert_refused(capsys, code, out, r"exactly one of --prompt and --prompt-file")
+@pytest.mark.parametrize("prompt, pattern", [
+    ((), r"one of the arguments --prompt --prompt-file is required"),
+    (("--prompt", "x", "--prompt-file", "p.txt"), r"--prompt-file: not allowed with argument --prompt"),
+    (("--prompt",), r"argument --prompt: expected one argument"),
+])
+def test_exactly_one_prompt_source(prompt, pattern, tmp_path, cache, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate(tmp_path, cache, prompt=prompt)
+    assert_refused(capsys, exit_info.value.code, tmp_path / "out" / "o.mp4",
+                   pattern + r", see 'headmoe generate --help'$")
 
 
 def test_long_prompt_file_is_read_whole(tmp_path, cache, no_ranks):

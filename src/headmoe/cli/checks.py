@@ -25,8 +25,10 @@ GIB = 1 << 30
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of these checks, on the `generate` parser."""
-    p.add_argument("--prompt-file", default=None,
-                   help="read the prompt from this UTF-8 file (instead of --prompt)")
+    group = next((g for g in p._mutually_exclusive_groups
+                  if any(a.dest == "prompt" for a in g._group_actions)), p)
+    group.add_argument("--prompt-file", default=None,
+                       help="read the prompt from this UTF-8 file (instead of --prompt)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output file (default: refuse)")
     p.add_argument("--max-memory-gib", type=float, default=None,

@@ -86,7 +86,8 @@ def register(subparsers: Any) -> None:
         default="~/.cache/headmoe",
         help="where the tiny model's checkpoint is written once",
     )
-    p.add_argument(
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
         "--prompt",
         default=None,
         help="UTF-8 text; the tiny model's byte text encoder keeps the first 255 bytes "

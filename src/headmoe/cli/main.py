@@ -12,9 +12,17 @@ from collections.abc import Sequence
 SUBCOMMANDS: tuple[str, ...] = ("headmoe.cli.generate", "headmoe.cli.plan", "headmoe.cli.compare")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as one ``headmoe: error: ...`` line (exit 2), like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"headmoe: error: {message}, see '{self.prog} --help'", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand of `SUBCOMMANDS` registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="headmoe",
         description="Run MAGI-2-family multi-head-MoE diffusion transformers across ranks.",
     )

@@ -113,7 +113,10 @@ def memory_limit(local_ranks: int, cuda: bool) -> tuple[int | None, str]:
     """(bytes one rank may use, where that number comes from): the free memory of the
     current CUDA device, or the host's available memory shared by `local_ranks` ranks."""
     if cuda:
-        free, _ = torch.cuda.mem_get_info()
+        try:
+            free, _ = torch.cuda.mem_get_info()
+        except (RuntimeError, AssertionError):  # no usable device: not checked
+            return None, "unknown"
         return free, "free memory of the CUDA device"
     avail = host_available_bytes()
     if avail is None:
