@@ -313,6 +313,14 @@ def test_launch_failure_is_one_line_naming_the_rank(capsys):
     assert run_guarded(bad_input, "generate", False) == 2
     assert "rank 2 failed: height must be" in capsys.readouterr().err
 
+    def killed():
+        raise LaunchFailure({0: "tb", 1: "killed by signal 9"},
+                            {0: "RankUnresponsive: rank 1 stopped responding",
+                             1: "killed by signal 9"})
+
+    assert run_guarded(killed, "generate", False) == 1
+    assert "rank 1 failed: killed by signal 9 (1 more" in capsys.readouterr().err
+
 
 def test_interrupt_and_broken_pipe(capsys):
     from headmoe.cli.errors import run_guarded

@@ -36,8 +36,13 @@ _PLAIN = ("UserError", "RuntimeFault", "NonFiniteError", "RankUnresponsive", "Va
 
 def _launch_message(exc: BaseException) -> tuple[int, str]:
     summaries = getattr(exc, "summaries", None) or getattr(exc, "failures", {})
-    # a rank that names another (a hung peer) explains the failure best; then the lowest rank
-    ranks = sorted(summaries, key=lambda r: ("stopped responding" not in summaries[r], r))
+    # the root cause first: a rank killed by a signal, then one naming a hung peer, then the
+    # lowest rank (the others mostly report the broken collective)
+    def cause(r: int) -> tuple[bool, bool, int]:
+        text = summaries[r]
+        return ("killed by signal" not in text, "stopped responding" not in text, r)
+
+    ranks = sorted(summaries, key=cause)
     first = ranks[0]
     text = one_line(summaries[first])
     kind, _, rest = text.partition(": ")
