@@ -11,6 +11,7 @@ furthest behind in steps), with the step each one last reached.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any
@@ -103,3 +104,18 @@ class Heartbeat:
             f"for it in a collective ({type(exc).__name__}), check that process and its host, "
             "or raise --timeout if a step legitimately takes longer"
         )
+
+
+def interrupt_once() -> None:
+    """In this process's main thread: the first SIGINT raises `KeyboardInterrupt` (at the
+    next Python line, i.e. between two layers at the latest); later ones (the launcher
+    forwards Ctrl-C to its ranks while they unwind) are ignored, so no rank prints a second
+    traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
-from headmoe.distributed.watchdog import Heartbeat, note_step
+from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.pipeline.encoders import (
     AudioDecoder,
     ByteTextEncoder,
@@ -376,6 +376,7 @@ def launched_rank(job: GenerateJob) -> dict[str, Any]:
     env = torchrun_env()
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
+    interrupt_once()
     if not torch.cuda.is_available():  # on CUDA, `initialize` makes cuda:LOCAL_RANK current
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
