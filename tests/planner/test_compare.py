@@ -50,7 +50,7 @@ def test_compare_forwards_flags_and_aggregates(tmp_path, capsys):
     assert order == ["1", "2", "1", "2"]
     assert [c[c.index("--nproc") + 1] for c in fake.cmds] == order
     for c in fake.cmds:
-        assert c[c.index("--prompt") + 1] == "a fox" and "--seed" in c and "--json" not in c
+        assert "--prompt=a fox" in c and "--seed=5" in c and "--json" not in c
     rows = json.loads(capsys.readouterr().out)["layouts"]
     # runs 1 and 3 are sp1: steps after the first average to 2*run -> 2 and 6 -> mean 4
     assert rows[0]["step_time_s_per_run"] == [2.0, 6.0] and rows[0]["step_time_s"] == 4.0

@@ -29,8 +29,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from headmoe.cli.errors import run_guarded
 from headmoe.config import ParallelConfig
 from headmoe.distributed.counters import Counters
+from headmoe.errors import RuntimeFault, UserError
 from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.pipeline.encoders import ByteTextEncoder
 from headmoe.pipeline.request import DTYPES
@@ -114,7 +116,7 @@ def generate_flags(args: argparse.Namespace) -> list[str]:
         if value == a.default and not a.required:
             continue
         flag = a.option_strings[-1]
-        out += [flag] if a.nargs == 0 else [flag, str(value)]
+        out += [flag] if a.nargs == 0 else [f"{flag}={value}"]  # "=": values may start with -
     return out
 
 
@@ -155,10 +157,19 @@ def subprocess_runner(cmd: list[str], timeout: float | None = None) -> None:
     except subprocess.TimeoutExpired as e:
         tail = ((e.stdout or b"") + (e.stderr or b""))[-4000:]
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        raise RuntimeError(f"{' '.join(cmd)} ran past --run-timeout={timeout} s:\n{tail}") from None
+        raise RuntimeFault(f"{' '.join(cmd)} ran past --run-timeout={timeout} s, raise "
+                           f"--run-timeout or shrink the request; its output ended: "
+                           f"{_error_line(tail)}") from None
     if proc.returncode:
         tail = (proc.stdout + proc.stderr)[-4000:]
-        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{tail}")
+        raise RuntimeFault(f"{' '.join(cmd)} exited with {proc.returncode}: {_error_line(tail)}")
+
+
+def _error_line(tail: str) -> str:
+    """The run's own ``headmoe: error:`` line, else the last line of its output."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    errors = [ln.removeprefix("headmoe: error: ") for ln in lines if ln.startswith("headmoe:")]
+    return (errors or lines or ["(no output)"])[-1]
 
 
 def sidecar_file(output: Path, parallel: ParallelConfig) -> Path:
@@ -305,31 +316,46 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_request(args: argparse.Namespace) -> None:
+    """Refuse, before any run: a layout the model cannot run (named), and the forwarded
+    prompt / frame / seed flags `generate` would refuse."""
+    from headmoe.cli import checks
+    from headmoe.pipeline.job import resolve_model
+    from headmoe.planner.predict import layout_topology
+
+    model, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
+    parallels = []
+    for name in args.layouts:
+        try:
+            parallels.append(layout_topology(model, parse_layout(name)).config)
+        except ValueError as e:
+            raise UserError(f"--layouts {name!r} cannot run model {model.name!r}: {e}, "
+                            "drop or fix that layout (nothing has run)") from None
+    checks.read_prompt(argparse.Namespace(prompt=args.prompt, prompt_file=args.prompt_file))
+    checks.check_num_frames(args.num_frames)
+    checks.check_seed(args.seed, max(p.data_parallel_size for p in parallels))
+
+
 def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
     """Run `compare` for parsed `args`; returns 0 when every layout produced the first
     layout's bytes, 1 otherwise, 2 on bad input or a failed run. `runner` defaults to
     `subprocess_runner` bounded by `--run-timeout`."""
     if not args.run_timeout > 0:
-        print(f"headmoe compare: error: --run-timeout must be > 0, got {args.run_timeout!r}",
-              file=sys.stderr)
-        return 2
+        raise UserError(f"--run-timeout must be > 0, got {args.run_timeout!r}, e.g. 3600")
     runner = runner or functools.partial(subprocess_runner, timeout=args.run_timeout)
-    flags = generate_flags(args)
-    try:
-        with tempfile.TemporaryDirectory(prefix="headmoe-compare-") as tmp:
-            out_dir = Path(args.output_dir or tmp)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            rows = compare(
-                args.layouts,
-                flags,
-                args.repeat,
-                out_dir,
-                runner,
-                log=lambda m: print(m, file=sys.stderr),
-            )
-    except (ValueError, RuntimeError) as e:
-        print(f"headmoe compare: error: {e}", file=sys.stderr)
-        return 2
+    check_request(args)  # every layout and the forwarded flags, before any run
+    flags = generate_flags(args) + (["--debug"] if getattr(args, "debug", False) else [])
+    with tempfile.TemporaryDirectory(prefix="headmoe-compare-") as tmp:
+        out_dir = Path(args.output_dir or tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = compare(
+            args.layouts,
+            flags,
+            args.repeat,
+            out_dir,
+            runner,
+            log=lambda m: print(m, file=sys.stderr),
+        )
     if args.json:
         print(
             json.dumps({"generate_flags": flags, "repeat": args.repeat, "layouts": rows}, indent=2)
@@ -344,7 +370,7 @@ def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int
     parser = argparse.ArgumentParser(prog="headmoe")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
-    return run(args, runner)
+    return run_guarded(lambda: run(args, runner), "compare", False)
 
 
 if __name__ == "__main__":

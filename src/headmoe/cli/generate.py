@@ -22,9 +22,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from headmoe.cli import checks
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
-from headmoe.distributed.launch import LaunchFailure, launch_local, torchrun_env
+from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
+from headmoe.errors import UserError
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
 from headmoe.pipeline.request import DTYPES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
@@ -84,7 +86,13 @@ def register(subparsers: Any) -> None:
         default="~/.cache/headmoe",
         help="where the tiny model's checkpoint is written once",
     )
-    p.add_argument("--prompt", required=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
+        "--prompt",
+        default=None,
+        help="UTF-8 text; the tiny model's byte text encoder keeps the first 255 bytes "
+        "(truncation is warned about and recorded as text_truncated in the sidecar)",
+    )
     p.add_argument("--negative-prompt", default=d["negative_prompt"])
     p.add_argument("--height", type=int, default=d["height"])
     p.add_argument("--width", type=int, default=d["width"])
@@ -130,10 +138,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--timeout",
         type=float,
-        default=300.0,
-        help="seconds any collective may wait before the job fails",
+        default=60.0,
+        help="seconds any collective may wait before the job fails and the rank that "
+        "stopped responding is named",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    checks.add_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -143,6 +153,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
     from headmoe.models.magi2 import check_checkpoint, validate_parallel
     from headmoe.pipeline.job import GenerateJob, resolve_model
 
+    checks.check_args(args)  # prompt, --num-frames, --seed: before anything else
     try:
         request = GenerateRequest(
             **{k: getattr(args, k) for k in _REQ_DEFAULTS if k != "prompt"}, prompt=args.prompt
@@ -175,14 +186,20 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
+        checks.check_output(output, args.overwrite, parallel.data_parallel_size)
         model_config, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
         validate_parallel(model_config, parallel)
         TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
         request.audio_samples(TinyAudioDecoder.sample_rate)
+        checks.check_memory(args, model_config, request, parallel, world)  # before any weight
         _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
-        check_checkpoint(model_config, checkpoint)  # headers only, before any rank starts
+        headers, report = check_checkpoint(model_config, checkpoint)  # headers only
+        checks.report_conversions(report)
+        if args.check_weights:
+            checks.scan_weights(checkpoint, headers, report.prefix)
     except ValueError as exc:
-        raise ValueError(flagify(str(exc))) from None
+        kind = UserError if isinstance(exc, UserError) else ValueError
+        raise kind(flagify(str(exc))) from None
     job = GenerateJob(
         request,
         parallel,
@@ -191,6 +208,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         str(output),
         timeout_s=args.timeout,
         progress=not args.no_progress,
+        check_layers=getattr(args, "debug", False),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
     )
     return job, world
@@ -204,30 +222,21 @@ def run(args: argparse.Namespace) -> int:
     from headmoe.pipeline.job import launched_rank, run_job
 
     t0 = time.perf_counter()
-    try:
-        job, world = build_job(args)
-    except ValueError as exc:
-        print(f"headmoe generate: error: {exc}", file=sys.stderr)
-        return 2
+    job, world = build_job(args)  # ValueError: bad input, reported by headmoe.cli.errors
     env = torchrun_env()
-    try:
-        if env is not None:
-            from torch.distributed.elastic.multiprocessing.errors import record
+    if env is not None:
+        from torch.distributed.elastic.multiprocessing.errors import record
 
-            results = [record(launched_rank)(job)]
-        elif world == 1:
-            ctx = ParallelContext.single(job.parallel)
-            if torch.cuda.is_available():  # where launched ranks run too (NCCL, cuda)
-                ctx.device = torch.device("cuda", torch.cuda.current_device())
-            results = [run_job(ctx, job)]
-        else:
-            for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
-            results = launch_local(launched_rank, world, (job,))
-    except LaunchFailure as exc:
-        for rank, message in sorted(exc.failures.items()):
-            print(f"headmoe generate: rank {rank} failed:\n{message}", file=sys.stderr)
-        return 1
+        results = [record(launched_rank)(job)]
+    elif world == 1:
+        ctx = ParallelContext.single(job.parallel)
+        if torch.cuda.is_available():  # where launched ranks run too (NCCL, cuda)
+            ctx.device = torch.device("cuda", torch.cuda.current_device())
+        results = [run_job(ctx, job)]
+    else:
+        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        results = launch_local(launched_rank, world, (job,))
     for res in results:
         if res["output"]:
             print(

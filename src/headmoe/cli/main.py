@@ -17,22 +17,39 @@ SUBCOMMANDS: tuple[str, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Flag errors as one ``headmoe: error: ...`` line (exit 2), like every other error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"headmoe: error: {message}, see '{self.prog} --help'", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand of `SUBCOMMANDS` registered."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="headmoe",
         description="Run MAGI-2-family multi-head-MoE diffusion transformers across ranks.",
     )
+    debug_help = "print the traceback of a failure (and check every layer for NaN/Inf)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
+    for name, subparser in sub.choices.items():
+        if name != "help":
+            subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                   help=debug_help)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point; returns the exit code (0 on success)."""
+    """Console entry point; returns the exit code (0 on success). Failures end in one
+    ``headmoe: error: ...`` line (`headmoe.cli.errors`)."""
+    from headmoe.cli.errors import run_guarded
+
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    return run_guarded(lambda: args.run(args), args.command, args.debug)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from headmoe.cli.errors import UserError, run_guarded
 from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.planner.plan import GIB, LayoutPlan, plan_world
 from headmoe.planner.predict import DTYPES
@@ -144,14 +145,13 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
-    try:
-        model = get_config(args.model)
-        request = request_from_args(args)
-        memory = None if args.memory_gib <= 0 else int(args.memory_gib * GIB)
-        plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory)
-    except ValueError as e:
-        print(f"headmoe plan: error: {e}", file=sys.stderr)
-        return 2
+    if args.world_size < 1:
+        raise UserError(f"--world-size must be a positive number of ranks, got "
+                        f"{args.world_size}, e.g. --world-size 8")
+    model = get_config(args.model)  # a ValueError is reported by headmoe.cli.errors
+    request = request_from_args(args)
+    memory = None if args.memory_gib <= 0 else int(args.memory_gib * GIB)
+    plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory)
     if args.json:
         print(
             json.dumps(
@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="headmoe")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
-    return args.run(args)
+    return run_guarded(lambda: args.run(args), "plan", False)
 
 
 if __name__ == "__main__":

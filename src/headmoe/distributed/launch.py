@@ -34,10 +34,13 @@ class RankEnv:
 
 
 class LaunchFailure(RuntimeError):
-    """One or more ranks failed; ``failures`` maps global rank -> message."""
+    """One or more ranks failed; ``failures`` maps global rank -> message (traceback),
+    ``summaries`` rank -> one line (``ExceptionType: message`` or the signal)."""
 
-    def __init__(self, failures: dict[int, str]):
+    def __init__(self, failures: dict[int, str], summaries: dict[int, str] | None = None):
         self.failures = failures
+        self.summaries = summaries or {r: m.strip().splitlines()[-1] if m.strip() else m
+                                       for r, m in failures.items()}
         parts = [f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(failures.items())]
         super().__init__(f"{len(failures)} rank(s) failed\n" + "\n".join(parts))
 
@@ -91,7 +94,8 @@ def launch_local(
         results = elastic_launch(config, fn)(*args)
     except ChildFailedError as exc:
         raise LaunchFailure(
-            {rank: _failure_message(f) for rank, f in exc.failures.items()}
+            {rank: _failure_message(f) for rank, f in exc.failures.items()},
+            {rank: _failure_summary(f) for rank, f in exc.failures.items()},
         ) from None
     return [results[r] for r in range(nproc)]
 
@@ -106,3 +110,18 @@ def _failure_message(failure: Any) -> str:
     if failure.exitcode is not None and failure.exitcode < 0:
         return f"killed by signal {-failure.exitcode}"
     return text or f"exited with code {failure.exitcode}"
+
+
+def _failure_summary(failure: Any) -> str:
+    """One line: the exception as ``Type: message`` (the error file's own summary), or the
+    signal that killed the rank."""
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"killed by signal {-failure.exitcode}"
+    data = getattr(failure, "error_file_data", None) or {}
+    inner = data.get("message", {}) if isinstance(data, dict) else {}
+    text = inner.get("message", "") if isinstance(inner, dict) else str(inner)
+    text = str(text or "").strip()
+    if not text:
+        lines = _failure_message(failure).splitlines()
+        text = lines[-1] if lines else ""
+    return " ".join(text.split()) or f"exited with code {failure.exitcode}"

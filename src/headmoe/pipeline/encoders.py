@@ -84,6 +84,10 @@ class ByteTextEncoder:
         """Token ids: BOS (256) then the UTF-8 bytes, truncated to ``max_tokens``."""
         return ([256] + list(text.encode("utf-8")))[: self.max_tokens]
 
+    def token_count(self, text: str) -> int:
+        """Tokens of ``text`` before truncation (BOS + its UTF-8 bytes)."""
+        return 1 + len(text.encode("utf-8"))
+
     def encode(self, text: str) -> torch.Tensor:
         """``[L_text, out_channels]`` fp32, ``1 <= L_text <= max_tokens``."""
         return self.table[torch.tensor(self.tokenize(text))]

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
+from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.pipeline.encoders import (
     AudioDecoder,
     ByteTextEncoder,
@@ -46,6 +47,13 @@ from headmoe.pipeline.encoders import (
     TinyAudioDecoder,
     TinyVideoDecoder,
     VideoDecoder,
+)
+from headmoe.pipeline.health import (
+    check_media,
+    check_step,
+    text_report,
+    warn_truncated,
+    watch_layers,
 )
 from headmoe.pipeline.media import (
     quantize_audio,
@@ -56,6 +64,7 @@ from headmoe.pipeline.media import (
 )
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, flow_sigmas, make_sampler
+from headmoe.pipeline.seeding import seeded_generator
 
 #: the seed of the embedded tiny model's random checkpoint
 TINY_CHECKPOINT_SEED = 0
@@ -109,6 +118,8 @@ class GenerateJob:
     components: Callable[[ParallelContext, GenerateJob], Components] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts recorded in the sidecar (for example the launch command)."""
+    check_layers: bool = False
+    """Check every transformer layer's output for NaN/Inf (``--debug``)."""
 
     def __post_init__(self) -> None:
         t = self.timeout_s
@@ -143,6 +154,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
         model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
     load_checkpoint(model, job.checkpoint)
     model.eval()
+    if job.check_layers:
+        watch_layers(model)
     return Components(
         Magi2Denoiser(model),
         ByteTextEncoder(cfg.text_in_channels),
@@ -263,11 +276,12 @@ def run_request(
     num_samples = req.audio_samples(parts.audio_decoder.sample_rate)
     t_audio = parts.audio_decoder.latent_length(req.duration_s)
     seed = req.seed + coords.dp
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator(seed)  # every bit of the seed (manual_seed keeps 32)
     xv = torch.randn((*shape, parts.video_decoder.latent_channels), generator=gen)
     xa = torch.randn((t_audio, parts.audio_decoder.latent_channels), generator=gen)
     xv, xa = xv.to(ctx.device), xa.to(ctx.device)
     texts = [parts.text_encoder.encode(p).to(ctx.device) for p in (req.prompt, req.negative_prompt)]
+    text_info = text_report(parts.text_encoder, (req.prompt, req.negative_prompt), texts)
     sigmas = flow_sigmas(req.num_inference_steps, req.shift)
     samp_v, samp_a = make_sampler(req.sampler, sigmas), make_sampler(req.sampler, sigmas)
     cfg_size = topo.cfg
@@ -282,6 +296,7 @@ def run_request(
     )
     for i in range(req.num_inference_steps):
         t0 = time.perf_counter()
+        note_step(i)
         s = sigmas[i]
         preds = parts.denoiser([Branch(xv, xa, texts[b], s, s) for b in mine])
         if cfg_size == 2:
@@ -290,6 +305,7 @@ def run_request(
             dist.all_gather(got, flat, group=cfg_group)
             nv = xv.numel()
             preds = [(g[:nv].view_as(xv), g[nv:].view_as(xa)) for g in got]
+        check_step(i, req.num_inference_steps, preds, s)  # same preds on every rank
         (vc, ac), (vu, au) = preds
         xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
         xa = samp_a.step(i, xa, cfg_combine(ac, au, req.audio_guidance_scale))
@@ -320,8 +336,11 @@ def run_request(
     }
     if (coords.sp, coords.cfg) != (0, 0):
         return result
+    check_media("before decoding", **{"video latents": xv, "audio latents": xa})
     frames = parts.video_decoder.decode(xv.float().cpu(), req.num_frames)
     wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)
+    check_media("after decoding", **{"audio waveform": wave})
+    warn_truncated(text_info)
     audio = quantize_audio(wave)
     result["video_sha256"], result["audio_sha256"] = tensor_sha256(frames), tensor_sha256(audio)
     if job.output is None:
@@ -332,6 +351,7 @@ def run_request(
     side = {
         "request": req.to_dict(),
         "seed": seed,
+        **text_info,
         "model": {"name": getattr(job.model_config, "name", None), "checkpoint": job.checkpoint},
         "layout": {
             **job.parallel.to_dict(),
@@ -381,11 +401,19 @@ def launched_rank(job: GenerateJob) -> dict[str, Any]:
     env = torchrun_env()
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
+    interrupt_once()
     if not torch.cuda.is_available():  # on CUDA, `initialize` makes cuda:LOCAL_RANK current
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
+    store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
     try:
-        return run_job(ctx, job)
+        if store is None:
+            return run_job(ctx, job)
+        with Heartbeat(store, ctx.rank, ctx.world_size) as beat:
+            try:
+                return run_job(ctx, job)
+            except Exception as exc:  # a hung peer: name it (see headmoe.distributed.watchdog)
+                raise beat.explain(exc, job.timeout_s, job.request.num_inference_steps) from exc
     finally:
         ctx.destroy()
 

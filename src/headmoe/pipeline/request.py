@@ -46,6 +46,8 @@ class GenerateRequest:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.seed >= 1 << 63:
+            raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
         for name in ("fps", "guidance_scale", "audio_guidance_scale", "shift"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -90,7 +91,9 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
     moe_layers = len(model.moe_layer_ids)
     e = topo.expert_parallel_size
     rows, moe_sent, uly_sent, total_sent, places = [], [], [], [], []
-    for rank in range(topo.world_size):
+    # ranks of DP group k repeat those of group 0 (rank r + k * span): predict group 0 only
+    span = topo.world_size // topo.dp
+    for rank in range(span):
         c = forward_counters(model, request, parallel, rank, dtype)
         rows.append(max(c.moe_rows, default=0))
         moe_sent.append(_sent(c, "moe_scatter", "moe_gather") // max(moe_layers, 1))
@@ -112,7 +115,7 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
         moe_heads_per_rank=placement.owned_heads,
         padded_moe_heads=placement.padded_heads - model.moe_num_heads,
         busiest_moe_rows=max(rows),
-        moe_rows_per_rank=tuple(rows),
+        moe_rows_per_rank=tuple(rows) * topo.dp,
         moe_bytes_sent_per_rank=max(moe_sent),
         ulysses_bytes_sent_per_rank=max(uly_sent),
         bytes_sent_per_forward=max(total_sent),
@@ -134,7 +137,8 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
         least = min(p.weight_bytes_per_rank for p in plans) / GIB
         raise ValueError(
             f"memory budget {memory_bytes / GIB:.1f} GiB per rank fits no layout (the smallest "
-            f"needs {least:.1f} GiB of weights)"
+            f"needs {least:.1f} GiB of weights), pass --memory-gib {math.ceil(least)} or more, "
+            "or a larger --world-size"
         )
     best = min(fits, key=lambda i: (plans[i].busiest_moe_rows, plans[i].bytes_sent_per_forward,
                                     plans[i].expert_weight_bytes_per_rank))
@@ -156,7 +160,13 @@ def plan_world(model: Magi2Config, request: RequestShape, world_size: int,
                memory_bytes: int | None = None) -> tuple[list[LayoutPlan], str]:
     """Every valid layout of `world_size` ranks (`enumerate_layouts`) planned for `request`,
     the recommended one flagged, and the reason."""
-    plans = [plan_layout(model, request, p, dtype) for p in enumerate_layouts(model, world_size)]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int (ranks in the world), got "
+                         f"{world_size!r}, e.g. 8")
+    layouts = enumerate_layouts(model, world_size)
+    if not layouts:
+        raise ValueError(f"world_size={world_size} has no layout model {model.name!r} can run")
+    plans = [plan_layout(model, request, p, dtype) for p in layouts]
     best, reason = recommend(plans, memory_bytes)
     plans[best] = replace(plans[best], recommended=True)
     return plans, reason
