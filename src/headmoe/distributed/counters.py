@@ -39,7 +39,7 @@ class Counters:
         self.moe_rows.append(int(rows))
 
     def record_exchange(self, kind: str, bytes_sent: int, bytes_received: int) -> None:
-        self.exchanges.append(ExchangeRecord(kind, int(bytes_sent), int(bytes_received)))
+        self.exchanges.append(ExchangeRecord(str(kind), int(bytes_sent), int(bytes_received)))
 
     def reset(self) -> None:
         self.moe_rows.clear()

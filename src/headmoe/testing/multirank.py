@@ -77,6 +77,8 @@ def _worker(
                 world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
+            # every rank's mesh is complete before any rank may fail and close its pairs
+            dist.barrier()
         out = fn(rank, world_size, *args, **kwargs)
         results.put(("ok", rank, out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
