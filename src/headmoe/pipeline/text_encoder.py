@@ -124,6 +124,42 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     return model, total
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def model_dtype(folder: str | os.PathLike) -> torch.dtype:
+    """The folder's model dtype (``dtype`` / ``torch_dtype`` of ``config.json``, the outer
+    config first; bfloat16 when it names none): the dtype MAGI-2 runs the encoder in."""
+    with open(os.path.join(os.fspath(folder), "config.json")) as f:
+        data = json.load(f)
+    for section in (data, data.get("text_config") or {}):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+    return torch.bfloat16
+
+
+def check_text_encoder(folder: str | os.PathLike) -> int:
+    """Check a ``text_encoder/`` folder without reading any weight: ``config.json``, the
+    tokenizer files (`TOKENIZER_FILES`, loaded offline) and every tensor header of the text
+    model (names and shapes, all layers). Returns the feature width (``hidden_size``).
+    Raises `ValueError` naming the file or tensors."""
+    from transformers import AutoTokenizer, Qwen3_5TextModel
+
+    folder = os.fspath(folder)
+    for name in ("config.json", *TOKENIZER_FILES):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise ValueError(f"text encoder folder {folder!r} has no {name}")
+    cfg = _text_config(folder)
+    with torch.device("meta"):
+        full = Qwen3_5TextModel(cfg)
+    _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()})
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tok.pad_token_id is None:
+        raise ValueError(f"{folder}: the tokenizer has no pad token")
+    return int(cfg.hidden_size)
+
+
 class Qwen35TextEncoder:
     """`headmoe.pipeline.encoders.TextEncoder` over a (truncated) ``Qwen3_5TextModel``.
 
