@@ -26,6 +26,7 @@ from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.distributed.launch import LaunchFailure, launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
+from headmoe.pipeline.release import VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
@@ -47,6 +48,8 @@ FLAGS: dict[str, str] = {
             "model_config",
             "output",
             "timeout",
+            "video_decoder",
+            "offload",
         )
     },
     "world_size": "--nproc",
@@ -71,21 +74,42 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--model", default="tiny", help="'tiny' (embedded random weights) or a checkpoint path"
+        "--model",
+        default="tiny",
+        help="'tiny' (embedded tiny release folder, random weights), a MAGI-2 Preview release "
+        "folder (preview/, text_encoder/, turbo_vae/, vae/, stable-audio-open-1.0/), or a "
+        "transformer checkpoint (.safetensors / .safetensors.index.json; stand-in encoders)",
     )
     p.add_argument(
         "--model-config",
         default=None,
-        help="model config of a checkpoint: a preset (tiny, magi2-preview) or a JSON file in "
-        "the public MAGI-2 config schema; default: the config.json next to the checkpoint",
+        help="model config of a checkpoint file: a preset (tiny, magi2-preview) or a JSON file "
+        "in the public MAGI-2 config schema; default: the config.json next to the checkpoint",
+    )
+    p.add_argument(
+        "--video-decoder",
+        choices=VIDEO_DECODERS,
+        default=None,
+        help="release folders: the distilled TurboV3 decoder (turbo_vae/, default) or the full "
+        "Wan2.2 VAE (vae/)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="release folders: keep the text encoder and decoders on the host between uses "
+        "(moved to the device only while they run)",
     )
     p.add_argument(
         "--cache-dir",
         default="~/.cache/headmoe",
-        help="where the tiny model's checkpoint is written once",
+        help="where the tiny release folder is written once",
     )
     p.add_argument("--prompt", required=True)
-    p.add_argument("--negative-prompt", default=d["negative_prompt"])
+    p.add_argument(
+        "--negative-prompt",
+        default=d["negative_prompt"],
+        help="text of the unconditional branch (default: headmoe's own list of defects)",
+    )
     p.add_argument("--height", type=int, default=d["height"])
     p.add_argument("--width", type=int, default=d["width"])
     p.add_argument("--num-frames", type=int, default=d["num_frames"])
@@ -142,6 +166,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
     writing the tiny checkpoint once). Raises `ValueError` with flag names."""
     from headmoe.models.magi2 import check_checkpoint, validate_parallel
     from headmoe.pipeline.job import GenerateJob, resolve_model
+    from headmoe.pipeline.release import is_release_folder
 
     try:
         request = GenerateRequest(
@@ -175,12 +200,23 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
-        model_config, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
-        validate_parallel(model_config, parallel)
-        TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
-        request.audio_samples(TinyAudioDecoder.sample_rate)
-        _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
-        check_checkpoint(model_config, checkpoint)  # headers only, before any rank starts
+        if args.model == "tiny" or is_release_folder(args.model):
+            release = _release(args, request, parallel)
+            model_config, checkpoint = release.model_config, release.transformer
+        else:
+            release = None
+            for name in ("video_decoder", "offload"):
+                if getattr(args, name):
+                    raise ValueError(f"{name} applies to a release folder, not to "
+                                     f"model={args.model!r}")
+            model_config, _ = resolve_model(
+                args.model, args.cache_dir, args.model_config, write=False
+            )
+            validate_parallel(model_config, parallel)
+            TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
+            request.audio_samples(TinyAudioDecoder.sample_rate)
+            _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
+            check_checkpoint(model_config, checkpoint)  # headers only, before any rank starts
     except ValueError as exc:
         raise ValueError(flagify(str(exc))) from None
     job = GenerateJob(
@@ -192,8 +228,37 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
+        release=release,
     )
     return job, world
+
+
+def _release(args: argparse.Namespace, request: GenerateRequest, parallel: ParallelConfig):
+    """The checked `Release` of ``--model`` ('tiny': the embedded folder, written once after
+    the cheap checks pass). Raises `ValueError` naming the flag, file or tensor."""
+    import dataclasses
+
+    from headmoe.models.magi2 import get_config, validate_parallel
+    from headmoe.pipeline import release as rel
+    from headmoe.pipeline import video_latents
+
+    if args.model_config is not None:
+        raise ValueError(f"model_config applies to a checkpoint file; the release folder "
+                         f"model={args.model!r} carries preview/{rel.MODEL_CONFIG}")
+    video = args.video_decoder or "turbo"
+    video_latents.latent_shape(request.num_frames, request.height, request.width)
+    request.audio_samples(44100)
+    if args.model == "tiny":
+        validate_parallel(get_config("tiny"), parallel)
+        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload)
+        found = dataclasses.replace(
+            found, model_config=dataclasses.replace(found.model_config, name="tiny")
+        )
+    else:
+        found = rel.find_release(args.model, video, args.offload)
+        validate_parallel(found.model_config, parallel)
+    rel.check_release(found)  # headers only, before any rank starts
+    return found
 
 
 def run(args: argparse.Namespace) -> int:

@@ -240,7 +240,7 @@ class OobleckAudioDecoder:
         return wave[:, :num_samples].clamp(-1.0, 1.0)
 
 
-def _folder_config(folder: str | os.PathLike) -> tuple[OobleckConfig, str]:
+def folder_config(folder: str | os.PathLike) -> tuple[OobleckConfig, str]:
     """The decoder configuration of a stable-audio folder and its weights file's path."""
     folder = os.fspath(folder)
     cfg_path, path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)
@@ -255,7 +255,7 @@ def check_oobleck_decoder(folder: str | os.PathLike) -> OobleckConfig:
     """Check a ``stable-audio-open-1.0/`` folder as `load_oobleck_decoder` would, reading
     only ``model_config.json`` and the safetensors header; returns the decoder
     configuration. Raises `ValueError` naming the file or tensors."""
-    cfg, path = _folder_config(folder)
+    cfg, path = folder_config(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm
         _decoder_names(path, cfg, cfg.build("meta"))
@@ -273,7 +273,7 @@ def load_oobleck_decoder(
     are read; encoder, DiT and conditioner tensors are skipped by name, anything else is
     refused. With ``fold_weight_norm`` the weight-norm pairs become plain weights after
     loading (same output)."""
-    cfg, path = _folder_config(folder)
+    cfg, path = folder_config(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm
         decoder = cfg.build("meta")
