@@ -22,10 +22,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from headmoe.pipeline.weights import check_tensors
+from headmoe.pipeline.weights import check_tensors, open_safetensors
 
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -176,14 +175,14 @@ def resample_51200_to_44100(audio: torch.Tensor) -> torch.Tensor:
 def _read_decoder(path: str, cfg: OobleckConfig, decoder: nn.Module) -> dict[str, torch.Tensor]:
     """Decoder tensors of the release file in diffusers names (only these are read)."""
     renamed = _decoder_names(path, cfg, decoder)
-    with safe_open(path, framework="pt") as f:
+    with open_safetensors(path) as f:
         return {n: oobleck_tensor(n, f.get_tensor(k)) for n, k in renamed.items()}
 
 
 def _decoder_names(path: str, cfg: OobleckConfig, decoder: nn.Module) -> dict[str, str]:
     """diffusers name -> file name of every decoder tensor, checked (names and shapes, from
     the header only) against ``decoder``."""
-    with safe_open(path, framework="pt") as f:
+    with open_safetensors(path) as f:
         keys = list(f.keys())  # noqa: SIM118
         renamed, refused = {}, []
         for key in keys:

@@ -230,8 +230,8 @@ def resolve_model(
     path = Path(model).expanduser()
     if not path.is_file() or not path.name.endswith((".safetensors", ".safetensors.index.json")):
         raise ValueError(
-            f"model must be 'tiny' or an existing .safetensors / .safetensors.index.json file, "
-            f"got {model!r}"
+            f"model must be 'tiny', a release folder or an existing .safetensors / "
+            f".safetensors.index.json file, got {model!r}"
         )
     if model_config is not None:
         if model_config in PRESETS:

@@ -45,9 +45,18 @@ def is_output_rank(ctx: ParallelContext) -> bool:
     return (c.tp, c.sp, c.cfg) == (0, 0, 0)
 
 
+#: torch threads of a component call on a CPU rank (see `Placed.use`)
+CPU_THREADS = 1
+
+
 class Placed:
     """A module's home between uses: its device, or the host when ``offload`` (and the
-    device is not the CPU). ``with placed.use():`` has it on the device for the block."""
+    device is not the CPU). ``with placed.use():`` has it on the device for the block.
+
+    On a CPU device the block runs with `CPU_THREADS` torch threads: fp32 CPU convolutions
+    give different last bits with different thread counts (measured on the Oobleck decoder:
+    1 vs 2 threads differ by 1.2e-6), and a rank's thread count depends on the layout
+    (``cpu_count // ranks per node``), so a fixed count keeps the bytes layout-independent."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device, offload: bool):
         self.module, self.device = module, device
@@ -55,11 +64,15 @@ class Placed:
 
     @contextlib.contextmanager
     def use(self) -> Iterator[None]:
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(CPU_THREADS)
         if self.offload:
             self.module.to(self.device)
         try:
             yield
         finally:
+            torch.set_num_threads(threads)
             if self.offload:
                 self.module.to(HOST)
                 if self.device.type == "cuda":

@@ -134,10 +134,8 @@ def find_release(
         raise ValueError(f"model={str(root)!r} is not a release folder")
     files = required_files(video_decoder)
     transformer = _transformer_file(base)
-    text_weights = base / TEXT_ENCODER_DIR / "model.safetensors"
-    if not text_weights.exists():
-        text_weights = base / TEXT_ENCODER_DIR / f"model{INDEX_SUFFIX}"
-    files.append(str(text_weights.relative_to(base)))
+    index = base / TEXT_ENCODER_DIR / f"model{INDEX_SUFFIX}"  # else the single file
+    files.append(f"{TEXT_ENCODER_DIR}/" + (index.name if index.exists() else "model.safetensors"))
     problems = [] if transformer else [f"{PREVIEW_DIR}/*{INDEX_SUFFIX} (missing)"]
     for rel in ([str(Path(transformer).relative_to(base))] if transformer else []) + files:
         path = base / rel
@@ -171,17 +169,16 @@ def _component(name: str, fn: Any, *args: Any) -> Any:
 
 
 def check_release(release: Release) -> None:
-    """Check every header of ``release`` against the configs, reading no weight: the
-    transformer (`check_checkpoint`), the text encoder (`check_text_encoder`; its width must
-    be ``text_in_channels``), the chosen video decoder (`check_turbo_vae` /
-    `check_wan_vae`; 48 latent channels = ``video_in_channels``) and the audio decoder
-    (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``). Raises a one-line
+    """Check every header of ``release`` against the configs, reading no weight: the text
+    encoder (`check_text_encoder`; its width must be ``text_in_channels``), the chosen video
+    decoder (`check_turbo_vae` / `check_wan_vae`; 48 latent channels =
+    ``video_in_channels``), the audio decoder (`check_oobleck_decoder`; ``latent_dim`` =
+    ``audio_in_channels``), then the transformer (`check_checkpoint`). Raises a one-line
     `ValueError` naming the file or tensor."""
     from headmoe.models.magi2 import check_checkpoint
     from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
 
     cfg, root = release.model_config, Path(release.root)
-    _component(release.transformer, check_checkpoint, cfg, release.transformer)
     width = _component(release.text_encoder, text_encoder.check_text_encoder, release.text_encoder)
     pairs = [(f"{TEXT_ENCODER_DIR}/config.json hidden_size", width, "text_in_channels",
               cfg.text_in_channels)]
@@ -202,6 +199,7 @@ def check_release(release: Release) -> None:
         if value != want:
             raise ValueError(f"release folder {str(root)!r}: {what}={value} does not match "
                              f"{PREVIEW_DIR}/{MODEL_CONFIG} {field}={want}")
+    _component(release.transformer, check_checkpoint, cfg, release.transformer)
 
 
 # ---------------------------------------------------------------------- public schema

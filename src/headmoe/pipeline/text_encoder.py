@@ -20,9 +20,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
-from headmoe.pipeline.weights import check_tensors
+from headmoe.pipeline.weights import check_tensors, open_safetensors
 
 MAX_TOKENS = 7000
 FEATURE_LAYER = -3  # hidden_states index of the feature
@@ -71,7 +70,7 @@ def _weight_files(folder: str) -> dict[str, str]:
     single = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(single):
         raise ValueError(f"text encoder folder {folder!r} has no model.safetensors(.index.json)")
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)  # noqa: SIM118
 
 
@@ -89,7 +88,7 @@ def _checked_names(folder: str, expected: dict[str, tuple]) -> tuple[str, dict[s
         elif not name.startswith(NON_TEXT_PARTS):
             found[name] = ()  # reported as unexpected
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             found.update({n: tuple(f.get_slice(n).get_shape()) for n in names})
     check_tensors(found, {prefix + k: v for k, v in expected.items()}, f"{folder} (text model)")
     return prefix, {n.removeprefix(prefix): where[n] for n in found}
@@ -114,7 +113,7 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     wanted = model.state_dict().keys()
     state = {}
     for file in sorted({files[k] for k in wanted}):
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for k in wanted:
                 if files[k] == file:
                     state[k] = f.get_tensor(prefix + k).to(device=device, dtype=dtype)
