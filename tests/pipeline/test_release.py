@@ -287,3 +287,56 @@ def test_one_and_four_ranks_write_the_same_bytes(folder, tmp_path):
     frames, audio, fps, rate = read_mp4(tmp_path / "four.mp4")
     assert frames.shape == (5, 32, 48, 3) and audio.shape[0] == 2 and rate == 44100
     assert four["media"]["audio_samples"] == [2, 17640]
+
+
+def _boom(texts):
+    raise ValueError("encoder exploded")
+
+
+def _node_broadcast(rank, world_size, folder):
+    """Rank body: two nodes of two ranks; encode, then encode with a failing encoder."""
+    from datetime import timedelta
+
+    from headmoe.config import ParallelConfig
+
+    ctx = ParallelContext.initialize(ParallelConfig(ulysses_degree=4),
+                                     timeout=timedelta(seconds=60))
+    try:
+        enc = placement.node_text_encoder(ctx, release.find_release(folder),
+                                          timedelta(seconds=60), node_size=2)
+        feats, report = enc.encode_with_report("a red fox running through snow at dusk")
+        out = {"loaded": enc.encoder is not None, "src": enc.src, "feats": feats,
+               "report": report}
+        if enc.encoder is not None:
+            enc.encoder.encode_batch = _boom
+        try:
+            enc.encode("x")
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.multirank
+def test_text_features_reach_every_rank_of_each_node(folder):
+    from headmoe.pipeline.text_encoder import model_dtype
+    from headmoe.testing import run_ranks
+
+    per_rank = run_ranks(_node_broadcast, 4, args=(str(folder),), timeout=240)
+    text = folder / "text_encoder"
+    enc = Qwen35TextEncoder.from_folder(text, dtype=model_dtype(text))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(placement.CPU_THREADS)  # as `Placed.use` on a CPU rank
+    try:
+        want = enc.encode("a red fox running through snow at dusk")
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["loaded"] for r in per_rank] == [True, False, True, False]
+    assert [r["src"] for r in per_rank] == [0, 0, 2, 2]
+    for r in per_rank:
+        assert torch.equal(r["feats"], want) and r["report"]["kept"] == want.shape[0]
+    for rank, r in enumerate(per_rank):
+        expect = ("ValueError: encoder exploded" if rank in (0, 2) else
+                  f"RuntimeError: the text encoder failed on rank {rank // 2 * 2}")
+        assert r["error"].startswith(expect), r["error"]
