@@ -42,7 +42,7 @@ HEADMOE = str(Path(sys.executable).with_name("headmoe"))
         (["--width", "50"], "--width must be a positive multiple of 16, got 50"),
         (["--num-inference-steps", "0"], "--num-inference-steps must be a positive int"),
         (["--output", "x.avi"], "--output must end in .mp4"),
-        (["--model", "nowhere.safetensors"], "--model must be 'tiny' or an existing"),
+        (["--model", "nowhere.safetensors"], "--model must be 'tiny', a release folder or an existing"),
         (["--timeout", "0"], "--timeout must be > 0"),
     ],
 )

@@ -147,3 +147,44 @@ def test_plan_cli_table_and_errors(capsys):
     assert "height" in capsys.readouterr().err
     assert main(["--world-size", "8", "--memory-gib", "1"]) == 2
     assert "memory" in capsys.readouterr().err
+
+
+def test_component_bytes_match_the_loaded_tiny_components(tmp_path):
+    from headmoe.pipeline import placement, release
+    from headmoe.pipeline.text_encoder import Qwen35TextEncoder
+    from headmoe.planner.components import component_bytes
+
+    folder = release.tiny_release(tmp_path)
+    parts = component_bytes("tiny")
+    assert component_bytes(str(folder)) == parts  # the folder's own configs agree
+
+    def nbytes(m):
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    enc = Qwen35TextEncoder.from_folder(folder / "text_encoder", dtype=torch.float32)
+    assert parts.text_encoder == nbytes(enc.model)  # first L - 2 layers, fp32
+    from headmoe.distributed import ParallelContext
+
+    ctx = ParallelContext.single()
+    video = placement.output_video_decoder(ctx, release.find_release(folder))
+    assert parts.video_decoder * 2 == nbytes(video.decoder.model)  # counted in bf16
+    audio = placement.output_audio_decoder(ctx, release.find_release(folder))
+    assert parts.audio_decoder == nbytes(audio.decoder.decoder)  # fp32, weight norm folded
+
+
+def test_components_placed_per_node_and_output_rank():
+    from headmoe.planner.components import ComponentBytes
+
+    parts = ComponentBytes(text_encoder=1000, video_decoder=30, audio_decoder=7)
+    par = ParallelConfig(ulysses_degree=2, data_parallel_size=2)  # writers: ranks 0 and 2
+    plan = plan_layout(TINY, RequestShape((4, 4, 6), 26, (8, 1)), par, torch.float32,
+                       parts, ranks_per_node=2)
+    w = plan.weight_bytes_per_rank
+    assert plan.device_bytes_per_rank == (w + 1037, w, w + 1037, w)
+    one_node = plan_layout(TINY, RequestShape((4, 4, 6), 26, (8, 1)), par, torch.float32,
+                           parts)
+    assert one_node.device_bytes_per_rank == (w + 1037, w, w + 37, w)
+    off = plan_layout(TINY, RequestShape((4, 4, 6), 26, (8, 1)), par, torch.float32, parts,
+                      offload=True)
+    assert off.device_bytes_per_rank == (w,) * 4 and off.busiest_rank_bytes == w
+    assert plan.to_dict()["busiest_rank_bytes"] == w + 1037

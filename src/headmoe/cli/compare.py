@@ -187,12 +187,12 @@ def predicted_summary(
     if name not in PRESETS:
         return None
     req = side["request"]
-    text = ByteTextEncoder(1)
-    shape = RequestShape(
-        tuple(side["latents"]["video"][:3]),
-        side["latents"]["audio"][0],
-        (len(text.tokenize(req["prompt"])), len(text.tokenize(req["negative_prompt"]))),
-    )
+    if side.get("text"):  # the text encoder's own token counts (a release's components)
+        tokens = (side["text"]["prompt"]["kept"], side["text"]["negative_prompt"]["kept"])
+    else:  # the stand-in byte encoder
+        text = ByteTextEncoder(1)
+        tokens = (len(text.tokenize(req["prompt"])), len(text.tokenize(req["negative_prompt"])))
+    shape = RequestShape(tuple(side["latents"]["video"][:3]), side["latents"]["audio"][0], tokens)
     one = forward_counters(get_config(name), shape, parallel, rank, DTYPES[req["dtype"]])
     steps = req["num_inference_steps"]
     return Counters(one.moe_rows * steps, one.exchanges * steps).summary()

@@ -28,6 +28,7 @@ from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
+from headmoe.pipeline.release import VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
@@ -49,6 +50,8 @@ FLAGS: dict[str, str] = {
             "model_config",
             "output",
             "timeout",
+            "video_decoder",
+            "offload",
         )
     },
     "world_size": "--nproc",
@@ -73,27 +76,48 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--model", default="tiny", help="'tiny' (embedded random weights) or a checkpoint path"
+        "--model",
+        default="tiny",
+        help="'tiny' (embedded tiny release folder, random weights), a MAGI-2 Preview release "
+        "folder (preview/, text_encoder/, turbo_vae/, vae/, stable-audio-open-1.0/), or a "
+        "transformer checkpoint (.safetensors / .safetensors.index.json; stand-in encoders)",
     )
     p.add_argument(
         "--model-config",
         default=None,
-        help="model config of a checkpoint: a preset (tiny, magi2-preview) or a JSON file in "
-        "the public MAGI-2 config schema; default: the config.json next to the checkpoint",
+        help="model config of a checkpoint file: a preset (tiny, magi2-preview) or a JSON file "
+        "in the public MAGI-2 config schema; default: the config.json next to the checkpoint",
+    )
+    p.add_argument(
+        "--video-decoder",
+        choices=VIDEO_DECODERS,
+        default=None,
+        help="release folders: the distilled TurboV3 decoder (turbo_vae/, default) or the full "
+        "Wan2.2 VAE (vae/)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="release folders: keep the text encoder and decoders on the host between uses "
+        "(moved to the device only while they run)",
     )
     p.add_argument(
         "--cache-dir",
         default="~/.cache/headmoe",
-        help="where the tiny model's checkpoint is written once",
+        help="where the tiny release folder is written once",
     )
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
         "--prompt",
         default=None,
-        help="UTF-8 text; the tiny model's byte text encoder keeps the first 255 bytes "
-        "(truncation is warned about and recorded as text_truncated in the sidecar)",
+        help="UTF-8 text, raw (no template); the text encoder's token limit applies "
+        "(truncation is warned about and recorded in the sidecar)",
     )
-    p.add_argument("--negative-prompt", default=d["negative_prompt"])
+    p.add_argument(
+        "--negative-prompt",
+        default=d["negative_prompt"],
+        help="text of the unconditional branch (default: headmoe's own list of defects)",
+    )
     p.add_argument("--height", type=int, default=d["height"])
     p.add_argument("--width", type=int, default=d["width"])
     p.add_argument("--num-frames", type=int, default=d["num_frames"])
@@ -152,6 +176,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
     writing the tiny checkpoint once). Raises `ValueError` with flag names."""
     from headmoe.models.magi2 import check_checkpoint, validate_parallel
     from headmoe.pipeline.job import GenerateJob, resolve_model
+    from headmoe.pipeline.release import is_release_folder
 
     checks.check_args(args)  # prompt, --num-frames, --seed: before anything else
     try:
@@ -187,16 +212,29 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
         checks.check_output(output, args.overwrite, parallel.data_parallel_size)
-        model_config, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
-        validate_parallel(model_config, parallel)
-        TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
-        request.audio_samples(TinyAudioDecoder.sample_rate)
-        checks.check_memory(args, model_config, request, parallel, world)  # before any weight
-        _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
-        headers, report = check_checkpoint(model_config, checkpoint)  # headers only
-        checks.report_conversions(report)
-        if args.check_weights:
-            checks.scan_weights(checkpoint, headers, report.prefix)
+        if args.model == "tiny" or is_release_folder(args.model):
+            release = _release(args, request, parallel)  # checks every header
+            model_config, checkpoint = release.model_config, release.transformer
+            checks.check_memory(args, model_config, request, parallel, world)
+        else:
+            release = None
+            for name in ("video_decoder", "offload"):
+                if getattr(args, name):
+                    raise ValueError(f"{name} applies to a release folder, not to "
+                                     f"model={args.model!r}")
+            model_config, _ = resolve_model(
+                args.model, args.cache_dir, args.model_config, write=False
+            )
+            validate_parallel(model_config, parallel)
+            TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
+            request.audio_samples(TinyAudioDecoder.sample_rate)
+            checks.check_memory(args, model_config, request, parallel, world)  # before any weight
+            _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
+        if release is None or args.check_weights:
+            headers, report = check_checkpoint(model_config, checkpoint)  # headers only
+            checks.report_conversions(report)
+            if args.check_weights:
+                checks.scan_weights(checkpoint, headers, report.prefix)
     except ValueError as exc:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flagify(str(exc))) from None
@@ -210,8 +248,37 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         progress=not args.no_progress,
         check_layers=getattr(args, "debug", False),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
+        release=release,
     )
     return job, world
+
+
+def _release(args: argparse.Namespace, request: GenerateRequest, parallel: ParallelConfig):
+    """The checked `Release` of ``--model`` ('tiny': the embedded folder, written once after
+    the cheap checks pass). Raises `ValueError` naming the flag, file or tensor."""
+    import dataclasses
+
+    from headmoe.models.magi2 import get_config, validate_parallel
+    from headmoe.pipeline import release as rel
+    from headmoe.pipeline import video_latents
+
+    if args.model_config is not None:
+        raise ValueError(f"model_config applies to a checkpoint file; the release folder "
+                         f"model={args.model!r} carries preview/{rel.MODEL_CONFIG}")
+    video = args.video_decoder or "turbo"
+    video_latents.latent_shape(request.num_frames, request.height, request.width)
+    request.audio_samples(44100)
+    if args.model == "tiny":
+        validate_parallel(get_config("tiny"), parallel)
+        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload)
+        found = dataclasses.replace(
+            found, model_config=dataclasses.replace(found.model_config, name="tiny")
+        )
+    else:
+        found = rel.find_release(args.model, video, args.offload)
+        validate_parallel(found.model_config, parallel)
+    rel.check_release(found)  # headers only, before any rank starts
+    return found
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from headmoe.cli.errors import UserError, run_guarded
 from headmoe.models.magi2.config import PRESETS, get_config
+from headmoe.planner.components import component_bytes
 from headmoe.planner.plan import GIB, LayoutPlan, plan_world
 from headmoe.planner.predict import DTYPES
 from headmoe.planner.request import RequestShape
@@ -64,6 +66,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=80.0,
         help="weight budget per rank for the recommendation; 0 = no limit (default 80)",
     )
+    p.add_argument(
+        "--release",
+        default=None,
+        help="release folder whose text encoder / decoder configs size the components "
+        "(default: the --model preset's)",
+    )
+    p.add_argument("--video-decoder", choices=("turbo", "wan2.2"), default="turbo")
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node: each node's first rank holds the text encoder (default: the "
+        "whole world is one node)",
+    )
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="encoder and decoders kept on the host between uses (not counted on the device)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
@@ -100,6 +121,9 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
         "a2a peers Uly/MoE",
         "expert GiB/rank",
         "weights GiB/rank",
+        "text enc GiB (node rank 0)",
+        "decoders GiB (output rank)",
+        "busiest rank GiB",
         "pick",
     )
     rows = [head, tuple("---" for _ in head)]
@@ -135,6 +159,9 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
                 f"{p.ulysses_peers}/{p.moe_peers}",
                 f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
                 f"{p.weight_bytes_per_rank / GIB:,.2f}",
+                f"{p.text_encoder_bytes / GIB:,.2f}",
+                f"{p.decoder_bytes / GIB:,.2f}",
+                f"{p.busiest_rank_bytes / GIB:,.2f}",
                 "**recommended**" if p.recommended else "",
             )
         )
@@ -151,7 +178,12 @@ def run(args: argparse.Namespace) -> int:
     model = get_config(args.model)  # a ValueError is reported by headmoe.cli.errors
     request = request_from_args(args)
     memory = None if args.memory_gib <= 0 else int(args.memory_gib * GIB)
-    plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory)
+    if args.release is not None and not os.path.isdir(args.release):
+        raise UserError(f"--release {args.release!r} is not a folder; pass the release's "
+                        "root folder")
+    parts = component_bytes(args.release or args.model, args.video_decoder)
+    plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
+                               parts, args.ranks_per_node, args.offload)
     if args.json:
         print(
             json.dumps(
@@ -160,6 +192,14 @@ def run(args: argparse.Namespace) -> int:
                     "world_size": args.world_size,
                     "dtype": args.dtype,
                     "request": request.to_dict(),
+                    "components": {
+                        "text_encoder_bytes": parts.text_encoder,
+                        "video_decoder": args.video_decoder,
+                        "video_decoder_bytes": parts.video_decoder,
+                        "audio_decoder_bytes": parts.audio_decoder,
+                        "offload": args.offload,
+                        "ranks_per_node": args.ranks_per_node or args.world_size,
+                    },
                     "recommendation": reason,
                     "layouts": [p.to_dict() for p in plans],
                 },
@@ -171,8 +211,19 @@ def run(args: argparse.Namespace) -> int:
             f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
             f"{request.video_tokens} video + {request.audio_tokens} audio + "
             f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
+            f"components (device bytes when loaded): text encoder "
+            f"{parts.text_encoder / GIB:,.2f} GiB on each node's first rank, {args.video_decoder} "
+            f"video decoder {parts.video_decoder / GIB:,.2f} GiB + audio decoder "
+            f"{parts.audio_decoder / GIB:,.2f} GiB on each output rank"
+            f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
         )
         print(format_table(plans, reason))
+        best = next(p for p in plans if p.recommended)
+        if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
+            print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
+                  f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
+                  f"{args.memory_gib:g}: run generate with --offload (components on the host "
+                  "between uses).")
     return 0
 
 

@@ -22,10 +22,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from headmoe.pipeline.weights import check_tensors
+from headmoe.pipeline.weights import check_tensors, open_safetensors
 
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -175,7 +174,15 @@ def resample_51200_to_44100(audio: torch.Tensor) -> torch.Tensor:
 
 def _read_decoder(path: str, cfg: OobleckConfig, decoder: nn.Module) -> dict[str, torch.Tensor]:
     """Decoder tensors of the release file in diffusers names (only these are read)."""
-    with safe_open(path, framework="pt") as f:
+    renamed = _decoder_names(path, cfg, decoder)
+    with open_safetensors(path) as f:
+        return {n: oobleck_tensor(n, f.get_tensor(k)) for n, k in renamed.items()}
+
+
+def _decoder_names(path: str, cfg: OobleckConfig, decoder: nn.Module) -> dict[str, str]:
+    """diffusers name -> file name of every decoder tensor, checked (names and shapes, from
+    the header only) against ``decoder``."""
+    with open_safetensors(path) as f:
         keys = list(f.keys())  # noqa: SIM118
         renamed, refused = {}, []
         for key in keys:
@@ -194,7 +201,7 @@ def _read_decoder(path: str, cfg: OobleckConfig, decoder: nn.Module) -> dict[str
             for n, v in decoder.state_dict().items()
         }
         check_tensors(shapes, expected, f"{path} (decoder, diffusers names)", renamed)
-        return {n: oobleck_tensor(n, f.get_tensor(k)) for n, k in renamed.items()}
+        return renamed
 
 
 class OobleckAudioDecoder:
@@ -232,6 +239,28 @@ class OobleckAudioDecoder:
         return wave[:, :num_samples].clamp(-1.0, 1.0)
 
 
+def folder_config(folder: str | os.PathLike) -> tuple[OobleckConfig, str]:
+    """The decoder configuration of a stable-audio folder and its weights file's path."""
+    folder = os.fspath(folder)
+    cfg_path, path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)
+    for p in (cfg_path, path):
+        if not os.path.isfile(p):
+            raise ValueError(f"stable-audio folder {folder!r}: missing {os.path.basename(p)}")
+    with open(cfg_path) as f:
+        return OobleckConfig.from_model_config(json.load(f), cfg_path), path
+
+
+def check_oobleck_decoder(folder: str | os.PathLike) -> OobleckConfig:
+    """Check a ``stable-audio-open-1.0/`` folder as `load_oobleck_decoder` would, reading
+    only ``model_config.json`` and the safetensors header; returns the decoder
+    configuration. Raises `ValueError` naming the file or tensors."""
+    cfg, path = folder_config(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm
+        _decoder_names(path, cfg, cfg.build("meta"))
+    return cfg
+
+
 def load_oobleck_decoder(
     folder: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
@@ -243,13 +272,7 @@ def load_oobleck_decoder(
     are read; encoder, DiT and conditioner tensors are skipped by name, anything else is
     refused. With ``fold_weight_norm`` the weight-norm pairs become plain weights after
     loading (same output)."""
-    folder = os.fspath(folder)
-    cfg_path, path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, WEIGHTS_FILE)
-    for p in (cfg_path, path):
-        if not os.path.isfile(p):
-            raise ValueError(f"stable-audio folder {folder!r}: missing {os.path.basename(p)}")
-    with open(cfg_path) as f:
-        cfg = OobleckConfig.from_model_config(json.load(f), cfg_path)
+    cfg, path = folder_config(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm
         decoder = cfg.build("meta")

@@ -76,13 +76,18 @@ def watch_layers(model: Any) -> list[Any]:
     return handles
 
 
-def text_report(encoder: Any, texts: Sequence[str],
-                features: Sequence[torch.Tensor]) -> dict[str, Any]:
+def text_report(encoder: Any, texts: Sequence[str], features: Sequence[torch.Tensor],
+                counts: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``{"text_tokens": [kept per text], "text_truncated": [bool per text],
-    "text_max_tokens": limit or None}`` from what the encoder reports: its ``max_tokens``
-    and ``token_count(text)`` (tokens before truncation) or a ``tokenize`` returning
+    "text_max_tokens": limit or None}`` from what the encoder reports: `counts` (its
+    ``encode_with_report`` dicts with "kept" and "truncated"), else its ``max_tokens`` and
+    ``token_count(text)`` (tokens before truncation) or a ``tokenize`` returning
     ``(ids, count)``; an encoder reporting neither is taken as not truncating."""
     limit = getattr(encoder, "max_tokens", None)
+    if counts is not None:
+        return {"text_tokens": [int(c["kept"]) for c in counts],
+                "text_truncated": [bool(c["truncated"]) for c in counts],
+                "text_max_tokens": limit}
     kept, truncated = [], []
     for text, feat in zip(texts, features):
         count = None

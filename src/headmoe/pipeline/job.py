@@ -106,7 +106,9 @@ class GenerateJob:
 
     ``model_config`` is a `Magi2Config`; ``checkpoint`` its weights (see `resolve_model`).
     ``output`` None computes and returns the hashes without writing files. ``components``
-    replaces `magi2_components` (a module-level function, for tests)."""
+    replaces `magi2_components` (a module-level function, for tests). ``release`` (a
+    `headmoe.pipeline.release.Release`) selects the release's text encoder and decoders;
+    None keeps the stand-ins of `headmoe.pipeline.encoders`."""
 
     request: GenerateRequest
     parallel: ParallelConfig
@@ -116,6 +118,7 @@ class GenerateJob:
     timeout_s: float = 300.0
     progress: bool = True
     components: Callable[[ParallelContext, GenerateJob], Components] | None = None
+    release: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False
@@ -145,8 +148,10 @@ class Magi2Denoiser:
 
 
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
-    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded, and the
-    embedded tiny text encoder and decoders sized to the model's channels."""
+    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded, and either
+    the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
+    each node's first rank, decoders on the output rank) or the stand-in text encoder and
+    decoders sized to the model's channels."""
     from headmoe.models.magi2 import Magi2Transformer, load_checkpoint
 
     cfg = job.model_config
@@ -156,12 +161,34 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     model.eval()
     if job.check_layers:
         watch_layers(model)
+    if job.release is not None:
+        from headmoe.pipeline import placement
+
+        timeout = timedelta(seconds=job.timeout_s)
+        return Components(
+            Magi2Denoiser(model),
+            placement.node_text_encoder(ctx, job.release, timeout),
+            placement.output_video_decoder(ctx, job.release),
+            placement.output_audio_decoder(ctx, job.release),
+        )
     return Components(
         Magi2Denoiser(model),
         ByteTextEncoder(cfg.text_in_channels),
         TinyVideoDecoder(cfg.video_in_channels),
         TinyAudioDecoder(cfg.audio_in_channels),
     )
+
+
+def encode_prompts(
+    encoder: TextEncoder, prompts: Sequence[str], device: torch.device
+) -> tuple[list[torch.Tensor], list[dict[str, Any]] | None]:
+    """Features ``[L_i, C]`` of each prompt on ``device`` and, when the encoder reports
+    them (``encode_with_report``), the token counts ``{"tokens", "kept", "truncated"}``."""
+    report = getattr(encoder, "encode_with_report", None)
+    if report is None:
+        return [encoder.encode(p).to(device) for p in prompts], None
+    pairs = [report(p) for p in prompts]
+    return [f.to(device) for f, _ in pairs], [r for _, r in pairs]
 
 
 def resolve_model(
@@ -211,8 +238,8 @@ def resolve_model(
     path = Path(model).expanduser()
     if not path.is_file() or not path.name.endswith((".safetensors", ".safetensors.index.json")):
         raise ValueError(
-            f"model must be 'tiny' or an existing .safetensors / .safetensors.index.json file, "
-            f"got {model!r}"
+            f"model must be 'tiny', a release folder or an existing .safetensors / "
+            f".safetensors.index.json file, got {model!r}"
         )
     if model_config is not None:
         if model_config in PRESETS:
@@ -280,8 +307,9 @@ def run_request(
     xv = torch.randn((*shape, parts.video_decoder.latent_channels), generator=gen)
     xa = torch.randn((t_audio, parts.audio_decoder.latent_channels), generator=gen)
     xv, xa = xv.to(ctx.device), xa.to(ctx.device)
-    texts = [parts.text_encoder.encode(p).to(ctx.device) for p in (req.prompt, req.negative_prompt)]
-    text_info = text_report(parts.text_encoder, (req.prompt, req.negative_prompt), texts)
+    prompts = (req.prompt, req.negative_prompt)
+    texts, text_counts = encode_prompts(parts.text_encoder, prompts, ctx.device)
+    text_info = text_report(parts.text_encoder, prompts, texts, text_counts)
     sigmas = flow_sigmas(req.num_inference_steps, req.shift)
     samp_v, samp_a = make_sampler(req.sampler, sigmas), make_sampler(req.sampler, sigmas)
     cfg_size = topo.cfg
@@ -352,7 +380,18 @@ def run_request(
         "request": req.to_dict(),
         "seed": seed,
         **text_info,
-        "model": {"name": getattr(job.model_config, "name", None), "checkpoint": job.checkpoint},
+        "model": {
+            "name": getattr(job.model_config, "name", None),
+            "checkpoint": job.checkpoint,
+            **(job.release.describe() if job.release is not None else {}),
+        },
+        "text": None
+        if text_counts is None
+        else {
+            "prompt": text_counts[0],
+            "negative_prompt": text_counts[1],
+            "max_tokens": getattr(parts.text_encoder, "max_tokens", None),
+        },
         "layout": {
             **job.parallel.to_dict(),
             "world_size": ctx.world_size,

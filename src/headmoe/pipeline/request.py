@@ -12,6 +12,13 @@ from headmoe.pipeline.sampler import SAMPLERS
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+#: headmoe's default negative prompt (our own wording, not the release's: MAGI-2 Preview
+#: uses a fixed long negative prompt of its own for the unconditional branch)
+DEFAULT_NEGATIVE_PROMPT = (
+    "blurry, low quality, distorted, deformed, watermark, text, flicker, frozen frame, "
+    "noisy audio"
+)
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -19,7 +26,7 @@ class GenerateRequest:
     of 64 x 96 at 12.5 fps (1.04 s; 4 x 4 x 6 video latents and 26 audio latents)."""
 
     prompt: str
-    negative_prompt: str = ""
+    negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
     height: int = 64
     width: int = 96
     num_frames: int = 13

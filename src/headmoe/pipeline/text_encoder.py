@@ -20,9 +20,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
-from headmoe.pipeline.weights import check_tensors
+from headmoe.pipeline.weights import check_tensors, open_safetensors
 
 MAX_TOKENS = 7000
 FEATURE_LAYER = -3  # hidden_states index of the feature
@@ -71,7 +70,7 @@ def _weight_files(folder: str) -> dict[str, str]:
     single = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(single):
         raise ValueError(f"text encoder folder {folder!r} has no model.safetensors(.index.json)")
-    with safe_open(single, framework="pt") as f:
+    with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)  # noqa: SIM118
 
 
@@ -89,7 +88,7 @@ def _checked_names(folder: str, expected: dict[str, tuple]) -> tuple[str, dict[s
         elif not name.startswith(NON_TEXT_PARTS):
             found[name] = ()  # reported as unexpected
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             found.update({n: tuple(f.get_slice(n).get_shape()) for n in names})
     check_tensors(found, {prefix + k: v for k, v in expected.items()}, f"{folder} (text model)")
     return prefix, {n.removeprefix(prefix): where[n] for n in found}
@@ -114,7 +113,7 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     wanted = model.state_dict().keys()
     state = {}
     for file in sorted({files[k] for k in wanted}):
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for k in wanted:
                 if files[k] == file:
                     state[k] = f.get_tensor(prefix + k).to(device=device, dtype=dtype)
@@ -122,6 +121,42 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     with torch.device(device):  # non-persistent buffers (rotary inv_freq) are rebuilt
         model.rotary_emb = type(model.rotary_emb)(config=cfg)
     return model, total
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def model_dtype(folder: str | os.PathLike) -> torch.dtype:
+    """The folder's model dtype (``dtype`` / ``torch_dtype`` of ``config.json``, the outer
+    config first; bfloat16 when it names none): the dtype MAGI-2 runs the encoder in."""
+    with open(os.path.join(os.fspath(folder), "config.json")) as f:
+        data = json.load(f)
+    for section in (data, data.get("text_config") or {}):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+    return torch.bfloat16
+
+
+def check_text_encoder(folder: str | os.PathLike) -> int:
+    """Check a ``text_encoder/`` folder without reading any weight: ``config.json``, the
+    tokenizer files (`TOKENIZER_FILES`, loaded offline) and every tensor header of the text
+    model (names and shapes, all layers). Returns the feature width (``hidden_size``).
+    Raises `ValueError` naming the file or tensors."""
+    from transformers import AutoTokenizer, Qwen3_5TextModel
+
+    folder = os.fspath(folder)
+    for name in ("config.json", *TOKENIZER_FILES):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise ValueError(f"text encoder folder {folder!r} has no {name}")
+    cfg = _text_config(folder)
+    with torch.device("meta"):
+        full = Qwen3_5TextModel(cfg)
+    _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()})
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tok.pad_token_id is None:
+        raise ValueError(f"{folder}: the tokenizer has no pad token")
+    return int(cfg.hidden_size)
 
 
 class Qwen35TextEncoder:

@@ -362,20 +362,11 @@ def build_turbo_vae(cfg: TurboVAEConfig | None = None, device: str = "meta") -> 
         return TurboV3(cfg)
 
 
-def load_turbo_vae(
-    path: str | os.PathLike,
-    config: TurboVAEConfig | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-) -> TurboV3:
-    """Load a TurboV3 decoder.
-
-    ``path`` is the release's ``turbo_vae/`` folder (``TurboV3-Wan22-TinyShallow_7_7.json``
-    + ``checkpoint.ckpt``) or a checkpoint file (``.ckpt``/``.pth`` torch pickle read with
-    ``weights_only=True, mmap=True``, or ``.safetensors``); for a file, ``config`` defaults to
-    the released configuration. Every missing/unexpected/mis-shaped tensor is reported by
-    name before anything is loaded. Weights end up in ``dtype`` on ``device`` (MAGI-2 runs it
-    in bf16; the golden data is float32)."""
+def _checked_state(
+    path: str | os.PathLike, config: TurboVAEConfig | None
+) -> tuple[dict[str, torch.Tensor], TurboV3]:
+    """The checked decoder tensors of ``path`` (memory-mapped, not copied) and the meta
+    model they fit; see `load_turbo_vae`."""
     path = os.fspath(path)
     if os.path.isdir(path):
         cfg_file = os.path.join(path, CONFIG_FILE)
@@ -391,6 +382,31 @@ def load_turbo_vae(
         {prefix + k: v.shape for k, v in model.state_dict().items()},
         path,
     )
+    return state, model
+
+
+def check_turbo_vae(path: str | os.PathLike, config: TurboVAEConfig | None = None) -> TurboVAEConfig:
+    """Check a ``turbo_vae/`` folder (or checkpoint file) as `load_turbo_vae` would, without
+    copying any weight (the pickle is memory-mapped); returns the configuration. Raises
+    `ValueError` naming the file or tensors."""
+    return _checked_state(path, config)[1].config
+
+
+def load_turbo_vae(
+    path: str | os.PathLike,
+    config: TurboVAEConfig | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+) -> TurboV3:
+    """Load a TurboV3 decoder.
+
+    ``path`` is the release's ``turbo_vae/`` folder (``TurboV3-Wan22-TinyShallow_7_7.json``
+    + ``checkpoint.ckpt``) or a checkpoint file (``.ckpt``/``.pth`` torch pickle read with
+    ``weights_only=True, mmap=True``, or ``.safetensors``); for a file, ``config`` defaults to
+    the released configuration. Every missing/unexpected/mis-shaped tensor is reported by
+    name before anything is loaded. Weights end up in ``dtype`` on ``device`` (MAGI-2 runs it
+    in bf16; the golden data is float32)."""
+    state, model = _checked_state(path, config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

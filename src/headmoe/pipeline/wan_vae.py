@@ -165,17 +165,9 @@ def build_wan_vae(config: Mapping | None = None, device: str | torch.device = "m
         return AutoencoderKLWan(**dict(config or RELEASED_CONFIG))
 
 
-def load_wan_vae(
-    path: str | os.PathLike,
-    config: Mapping | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-):
-    """Load ``Wan2.2_VAE.pth`` (or a folder holding it; torch pickle read with
-    ``weights_only=True, mmap=True``, or a ``.safetensors`` file in the same layout) into
-    ``AutoencoderKLWan`` built with ``config`` (default: `config_for` the file, i.e. the
-    released configuration with the file's widths). Every missing,
-    unexpected or mis-shaped tensor is reported by name before loading."""
+def _checked_state(path: str | os.PathLike, config: Mapping | None):
+    """The checked tensors of ``path`` under diffusers names (memory-mapped) and the meta
+    ``AutoencoderKLWan`` they fit; see `load_wan_vae`."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, CHECKPOINT_FILE)
@@ -188,6 +180,27 @@ def load_wan_vae(
     model = build_wan_vae(config or config_for(raw, path), "meta")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_tensors(renamed, expected, f"{path} (diffusers names)", aliases)
+    return renamed, model
+
+
+def check_wan_vae(path: str | os.PathLike, config: Mapping | None = None) -> None:
+    """Check ``Wan2.2_VAE.pth`` (or its folder) as `load_wan_vae` would, without copying any
+    weight (memory-mapped). Raises `ValueError` naming the file or tensors."""
+    _checked_state(path, config)
+
+
+def load_wan_vae(
+    path: str | os.PathLike,
+    config: Mapping | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+):
+    """Load ``Wan2.2_VAE.pth`` (or a folder holding it; torch pickle read with
+    ``weights_only=True, mmap=True``, or a ``.safetensors`` file in the same layout) into
+    ``AutoencoderKLWan`` built with ``config`` (default: `config_for` the file, i.e. the
+    released configuration with the file's widths). Every missing,
+    unexpected or mis-shaped tensor is reported by name before loading."""
+    renamed, model = _checked_state(path, config)
     state = {k: v.to(device=device, dtype=dtype) for k, v in renamed.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()

@@ -11,7 +11,17 @@ import os
 from collections.abc import Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+
+def open_safetensors(path: str | os.PathLike):
+    """``safe_open(path, framework="pt")``; a missing or corrupt file raises `ValueError`
+    naming it (instead of safetensors' own error, which does not)."""
+    path = os.fspath(path)
+    try:
+        return safe_open(path, framework="pt")
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"{path!r} is not a readable safetensors file: {exc}") from None
 
 
 def read_tensors(path: str | os.PathLike) -> dict[str, object]:
@@ -24,7 +34,7 @@ def read_tensors(path: str | os.PathLike) -> dict[str, object]:
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint file {path!r} does not exist")
     if path.endswith(".safetensors"):
-        with safe_open(path, framework="pt") as f:
+        with open_safetensors(path) as f:
             return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

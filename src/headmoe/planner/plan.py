@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
-from headmoe.config import ParallelConfig
+from headmoe.config import ParallelConfig, is_int
 from headmoe.distributed.counters import Counters
 from headmoe.models.magi2.config import Magi2Config
+from headmoe.planner.components import ComponentBytes, component_bytes_per_rank
 from headmoe.planner.layouts import enumerate_layouts, layout_name
 from headmoe.planner.predict import (
     forward_counters,
@@ -56,6 +57,17 @@ class LayoutPlan:
     expert_weight_bytes_per_rank: int
     weight_bytes_per_rank: int
     recommended: bool = False
+    text_encoder_bytes: int = 0
+    """Device bytes of the text encoder on each node's first rank (0: none counted)."""
+    decoder_bytes: int = 0
+    """Device bytes of the video + audio decoders on each output rank."""
+    device_bytes_per_rank: tuple[int, ...] = ()
+    """Transformer + components on each rank (`headmoe.planner.components`)."""
+
+    @property
+    def busiest_rank_bytes(self) -> int:
+        """The most device bytes any rank holds (transformer and components)."""
+        return max(self.device_bytes_per_rank, default=self.weight_bytes_per_rank)
 
     def to_dict(self) -> dict[str, Any]:
         p = self.parallel
@@ -79,14 +91,21 @@ class LayoutPlan:
             "ulysses_all_to_all_peers": self.ulysses_peers,
             "expert_weight_bytes_per_rank": self.expert_weight_bytes_per_rank,
             "weight_bytes_per_rank": self.weight_bytes_per_rank,
+            "text_encoder_bytes": self.text_encoder_bytes,
+            "decoder_bytes": self.decoder_bytes,
+            "device_bytes_per_rank": list(self.device_bytes_per_rank),
+            "busiest_rank_bytes": self.busiest_rank_bytes,
             "recommended": self.recommended,
         }
 
 
 def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelConfig,
-                dtype: torch.dtype = torch.bfloat16) -> LayoutPlan:
+                dtype: torch.dtype = torch.bfloat16, components: ComponentBytes | None = None,
+                ranks_per_node: int | None = None, offload: bool = False) -> LayoutPlan:
     """Predict one layout for one request (see `LayoutPlan`); `dtype` is the transformer's
-    dtype (linears, experts and the activations they exchange)."""
+    dtype (linears, experts and the activations they exchange). With `components` the
+    text encoder and decoders are placed as the pipeline places them
+    (`component_bytes_per_rank`; `ranks_per_node` defaults to the whole world)."""
     topo = layout_topology(model, parallel)
     moe_layers = len(model.moe_layer_ids)
     e = topo.expert_parallel_size
@@ -105,6 +124,9 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
     auto = moe_placement(model, layout_topology(model, replace(parallel, moe_exchange="auto")),
                          0, sequence_counts(request, parallel, 0))
     weights = [weight_bytes(model, e, ep, dtype) for ep in range(e)]
+    parts = components or ComponentBytes(0, 0, 0)
+    held = component_bytes_per_rank(topo, parts, ranks_per_node or topo.world_size, offload)
+    device = tuple(weights[topo.coords(r).ep][1] + held[r] for r in range(topo.world_size))
     return LayoutPlan(
         parallel=parallel,
         name=layout_name(parallel),
@@ -123,14 +145,19 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
         ulysses_peers=topo.sp - 1,
         expert_weight_bytes_per_rank=max(w[0] for w in weights),
         weight_bytes_per_rank=max(w[1] for w in weights),
+        text_encoder_bytes=0 if offload else parts.text_encoder,
+        decoder_bytes=0 if offload else parts.decoders,
+        device_bytes_per_rank=device,
     )
 
 
 def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, str]:
-    """Index of the recommended plan and a one-line reason: among layouts whose weights fit
-    `memory_bytes` per rank (all when None), the fewest busiest-rank MoE rows (the MoE
-    compute of the slowest rank), then the fewest bytes sent per rank per forward, then the
-    fewest expert bytes per rank. Raises `ValueError` when no layout fits."""
+    """Index of the recommended plan and a one-line reason: among layouts whose transformer
+    weights fit `memory_bytes` per rank (all when None), the fewest busiest-rank MoE rows
+    (the MoE compute of the slowest rank), then the fewest bytes sent per rank per forward,
+    then the fewest expert bytes per rank. Raises `ValueError` when no layout fits. (The
+    components' bytes are reported, `LayoutPlan.busiest_rank_bytes`, not filtered on: they
+    can be offloaded.)"""
     fits = [i for i, p in enumerate(plans)
             if memory_bytes is None or p.weight_bytes_per_rank <= memory_bytes]
     if not fits:
@@ -157,16 +184,19 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
 
 def plan_world(model: Magi2Config, request: RequestShape, world_size: int,
                dtype: torch.dtype = torch.bfloat16,
-               memory_bytes: int | None = None) -> tuple[list[LayoutPlan], str]:
-    """Every valid layout of `world_size` ranks (`enumerate_layouts`) planned for `request`,
-    the recommended one flagged, and the reason."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+               memory_bytes: int | None = None, components: ComponentBytes | None = None,
+               ranks_per_node: int | None = None,
+               offload: bool = False) -> tuple[list[LayoutPlan], str]:
+    """Every valid layout of `world_size` ranks (`enumerate_layouts`) planned for `request`
+    (components placed as in `plan_layout`), the recommended one flagged, and the reason."""
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (ranks in the world), got "
                          f"{world_size!r}, e.g. 8")
     layouts = enumerate_layouts(model, world_size)
     if not layouts:
         raise ValueError(f"world_size={world_size} has no layout model {model.name!r} can run")
-    plans = [plan_layout(model, request, p, dtype) for p in layouts]
+    plans = [plan_layout(model, request, p, dtype, components, ranks_per_node, offload)
+             for p in layouts]
     best, reason = recommend(plans, memory_bytes)
     plans[best] = replace(plans[best], recommended=True)
     return plans, reason

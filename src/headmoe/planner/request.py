@@ -2,11 +2,10 @@
 
 A request is one packed sequence per CFG branch, `[video | audio | text]`; the branches
 (conditional, unconditional) differ only in their text length. Frame and latent arithmetic
-is the pipeline's (`headmoe.pipeline.encoders`, MAGI2.md section 3): `num_frames` output
-frames at `fps` (MAGI-2 Preview: 125 frames at 12.5 fps = 10 s, i.e. 250 frames on the
-25 fps internal timeline) keep the first frame and compress the rest 4x in output frames
-(8x on the internal timeline) and 16x in space, so 272p (448 x 256) gives a
-`(124 // 4 + 1, 16, 28) = (32, 16, 28)` latent grid, 14,336 video tokens; audio uses 25
+is the release decoders' (`headmoe.pipeline.video_latents.latent_shape`, MAGI2.md section
+3): `T` latent frames decode to `4 (T - 1) + 1` output frames (the smallest `T` covering
+`num_frames`) and 16x16 pixels each. MAGI-2 Preview: 125 frames at 12.5 fps = 10 s, so
+272p (448 x 256) gives a `(32, 16, 28)` latent grid, 14,336 video tokens; audio uses 25
 latent tokens per second of clip (250 for 10 s).
 """
 
@@ -15,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headmoe.config import check_positive_int, is_int, is_number
-from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
+from headmoe.pipeline.encoders import TinyAudioDecoder
+from headmoe.pipeline.video_latents import latent_shape
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class RequestShape:
             raise ValueError(f"fps must be a positive number, got {fps!r}")
         for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
             check_positive_int(name, value)
-        latent = TinyVideoDecoder(1).latent_shape(num_frames, height, width)
+        latent = latent_shape(num_frames, height, width)
         audio = TinyAudioDecoder(1).latent_length(num_frames / fps)
         return cls(latent, audio, (text_tokens, uncond_text_tokens))
 

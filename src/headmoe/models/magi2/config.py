@@ -283,7 +283,7 @@ PRESETS: dict[str, Magi2Config] = {
     "tiny": Magi2Config(
         name="tiny", num_layers=6, multimodal_layers=(0, 1, 4, 5), hidden_size=384,
         head_dim=16, num_query_groups=24, video_in_channels=48, audio_in_channels=64,
-        text_in_channels=5120, moe_num_heads=12, moe_num_experts=8, moe_top_k=2,
+        text_in_channels=64, moe_num_heads=12, moe_num_experts=8, moe_top_k=2,
         moe_expert_intermediate_size=64, shared_expert_intermediate_size=64,
         modality_shared_expert_intermediate_size=64,
     ),

@@ -1,0 +1,276 @@
+"""Where the release's text encoder and decoders run, and how their results travel.
+
+- **Text encoder** (`node_text_encoder`): loaded on one rank per node, the node's first
+  rank (local rank 0; nodes are runs of ``LOCAL_WORLD_SIZE`` consecutive ranks, as torchrun
+  numbers them). For every prompt it encodes and broadcasts over the node's ranks: first an
+  int64 header ``[status, L, C, tokens]`` (status 1 = the encoder failed there, so the other
+  ranks fail at once instead of waiting), then the features ``[L, C]`` as float32 (exact for
+  the bf16 the release computes in). No Python object is pickled. Every broadcast is bounded
+  by the job's timeout (the process groups are created with it).
+- **Decoders** (`output_video_decoder`, `output_audio_decoder`): loaded on the output ranks
+  only (each DP group's writer: SP, CFG and TP coordinates 0) and run there after the loop;
+  the other ranks hold only the geometry (latent shapes and lengths).
+- **Offload** (`Placed`): with ``offload`` the weights stay on the host and move to the
+  rank's device only for a call; without it they are loaded on the device and stay there.
+  On a CPU rank both are the same.
+
+Dtypes: the text encoder in its folder's model dtype (`text_encoder.model_dtype`, bf16 for
+the release); the video decoders in bf16 on CUDA and fp32 on the CPU; the audio decoder in
+fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.launch import torchrun_env
+from headmoe.pipeline import video_latents
+from headmoe.pipeline.text_encoder import MAX_TOKENS
+
+HOST = torch.device("cpu")
+OK, FAILED = 0, 1
+
+
+def is_output_rank(ctx: ParallelContext) -> bool:
+    """The writer of its DP group: SP, CFG and TP coordinates 0."""
+    c = ctx.coords
+    return (c.sp, c.cfg) == (0, 0)
+
+
+#: torch threads of a component call on a CPU rank (see `Placed.use`)
+CPU_THREADS = 1
+
+
+class Placed:
+    """A module's home between uses: its device, or the host when ``offload`` (and the
+    device is not the CPU). ``with placed.use():`` has it on the device for the block.
+
+    On a CPU device the block runs with `CPU_THREADS` torch threads: fp32 CPU convolutions
+    give different last bits with different thread counts (measured on the Oobleck decoder:
+    1 vs 2 threads differ by 1.2e-6), and a rank's thread count depends on the layout
+    (``cpu_count // ranks per node``), so a fixed count keeps the bytes layout-independent."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, offload: bool):
+        self.module, self.device = module, device
+        self.offload = offload and device.type != "cpu"
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(CPU_THREADS)
+        if self.offload:
+            self.module.to(self.device)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+            if self.offload:
+                self.module.to(HOST)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+
+def load_device(device: torch.device, offload: bool) -> torch.device:
+    """Where a component is loaded: the host when offloading, else the rank's device."""
+    return HOST if offload else device
+
+
+# ---------------------------------------------------------------------- text
+class NodeTextEncoder:
+    """`TextEncoder` whose encoder runs on the node's first rank (``src``) and whose features
+    every rank of the node receives by broadcast (see the module doc). ``encoder`` is a
+    `Qwen35TextEncoder` on ``src`` and None elsewhere; ``group`` the node's process group
+    (None: the default group), ``size`` the node's ranks (1: no broadcast)."""
+
+    def __init__(self, encoder: Any, out_channels: int, src: int, group: Any, size: int,
+                 device: torch.device, offload: bool):
+        self.encoder, self.out_channels = encoder, out_channels
+        self.src, self.group, self.size, self.device = src, group, size, device
+        self.max_tokens = encoder.max_tokens if encoder is not None else MAX_TOKENS
+        self.placed = Placed(encoder.model, device, offload) if encoder is not None else None
+
+    def encode(self, text: str) -> torch.Tensor:
+        """``[L, out_channels]`` float32 on the CPU, the same on every rank of the node."""
+        return self.encode_with_report(text)[0]
+
+    def _run(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """On ``src``: (header int64 [4], features [L, C] float32)."""
+        with self.placed.use():
+            res = self.encoder.encode_batch([text])
+        kept, count = res.lengths[0], res.token_counts[0]
+        feats = res.features[0, :kept].float()
+        return torch.tensor([OK, kept, feats.shape[1], count], dtype=torch.int64), feats
+
+    def encode_with_report(self, text: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Features as `encode` and ``{"tokens", "kept", "truncated"}`` (tokens before
+        truncation at the encoder's ``max_tokens``)."""
+        header = feats = None
+        if self.encoder is not None:
+            try:
+                header, feats = self._run(text)
+            except BaseException:
+                if self.size > 1:  # release the waiting ranks before failing here
+                    failed = torch.tensor([FAILED, 0, 0, 0], dtype=torch.int64)
+                    dist.broadcast(failed.to(self.device), src=self.src, group=self.group)
+                raise
+        if self.size > 1:
+            header, feats = self._broadcast(header, feats)
+        _, kept, _, count = (int(v) for v in header.tolist())
+        return feats, {"tokens": count, "kept": kept, "truncated": count > kept}
+
+    def _broadcast(self, header: torch.Tensor | None,
+                   feats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        h = header.to(self.device) if header is not None else torch.empty(
+            4, dtype=torch.int64, device=self.device)
+        dist.broadcast(h, src=self.src, group=self.group)
+        status, kept, width, _ = (int(v) for v in h.tolist())
+        if status != OK:
+            raise RuntimeError(f"the text encoder failed on rank {self.src} (see its error)")
+        if width != self.out_channels:
+            raise RuntimeError(f"text features from rank {self.src} are {width} wide, "
+                               f"expected {self.out_channels}")
+        buf = feats.to(self.device) if feats is not None else torch.empty(
+            (kept, width), dtype=torch.float32, device=self.device)
+        dist.broadcast(buf, src=self.src, group=self.group)
+        return h.cpu(), buf.cpu()
+
+
+def node_of(ctx: ParallelContext, node_size: int | None = None) -> tuple[int, int]:
+    """(first rank, size) of this rank's node. ``node_size`` defaults to torchrun's
+    ``LOCAL_WORLD_SIZE`` (one node when not launched). Raises `ValueError` before any
+    collective when the world does not split into equal nodes of consecutive ranks."""
+    world = ctx.world_size
+    env = torchrun_env()
+    if node_size is None:
+        node_size = env.local_world_size if env is not None else world
+    if node_size < 1 or world % node_size:
+        raise ValueError(f"LOCAL_WORLD_SIZE={node_size} must divide the world of {world} ranks")
+    if env is not None and env.world_size == world and env.local_rank != ctx.rank % node_size:
+        raise ValueError(f"rank {ctx.rank} has LOCAL_RANK={env.local_rank}, expected "
+                         f"{ctx.rank % node_size}: nodes must hold consecutive ranks")
+    return ctx.rank // node_size * node_size, node_size
+
+
+def node_group(ctx: ParallelContext, node_size: int, timeout: timedelta) -> Any:
+    """This rank's node group (every rank creates every node's group, in order); None when
+    the world is one node (the default group serves)."""
+    world = ctx.world_size
+    if node_size == world:
+        return None
+    nodes = [list(range(n, n + node_size)) for n in range(0, world, node_size)]
+    group, _ = dist.new_subgroups_by_enumeration(nodes, timeout=timeout)
+    return group
+
+
+def node_text_encoder(ctx: ParallelContext, release: Any, timeout: timedelta,
+                      node_size: int | None = None) -> NodeTextEncoder:
+    """The release's text encoder for this rank: loaded (`Qwen35TextEncoder.from_folder`,
+    its model dtype, on the device or the host when offloading) on the node's first rank
+    only; the node group created when the world spans several nodes."""
+    from headmoe.pipeline import text_encoder
+
+    src, size = node_of(ctx, node_size)
+    group = node_group(ctx, size, timeout)
+    encoder = None
+    if ctx.rank == src:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # "falling back to the reference kernel" notes
+        folder = release.text_encoder
+        encoder = text_encoder.Qwen35TextEncoder.from_folder(
+            folder, dtype=text_encoder.model_dtype(folder),
+            device=load_device(ctx.device, release.offload))
+    return NodeTextEncoder(encoder, release.model_config.text_in_channels, src, group, size,
+                           ctx.device, release.offload)
+
+
+# ---------------------------------------------------------------------- decoders
+def video_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (as the release runs its video decoders), fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class OutputVideoDecoder:
+    """`VideoDecoder` with the release's geometry on every rank and the decoder (TurboV3 or
+    Wan2.2, de-normalising inside) only where it was loaded (the output rank)."""
+
+    latent_channels = video_latents.LATENT_CHANNELS
+
+    def __init__(self, kind: str, decoder: Any = None, placed: Placed | None = None):
+        self.kind, self.decoder, self.placed = kind, decoder, placed
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        return video_latents.latent_shape(num_frames, height, width)
+
+    def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
+        """``[T, H, W, 48]`` fp32 -> ``[num_frames, 16 H, 16 W, 3]`` uint8."""
+        if self.decoder is None:
+            raise RuntimeError(f"the {self.kind} video decoder is loaded on output ranks only")
+        with self.placed.use():
+            return self.decoder.decode(latents, num_frames)
+
+
+def output_video_decoder(ctx: ParallelContext, release: Any) -> OutputVideoDecoder:
+    """The chosen video decoder (`Release.video_decoder`), loaded on the output rank only."""
+    kind = release.video_decoder
+    if not is_output_rank(ctx):
+        return OutputVideoDecoder(kind)
+    dtype, where = video_dtype(ctx.device), load_device(ctx.device, release.offload)
+    if kind == "turbo":
+        from headmoe.pipeline import turbo_vae
+
+        dec = turbo_vae.TurboVideoDecoder(
+            turbo_vae.load_turbo_vae(release.video_decoder_path, dtype=dtype, device=where))
+        module = dec.model
+    else:
+        from headmoe.pipeline import wan_vae
+
+        dec = wan_vae.WanVideoDecoder(
+            wan_vae.load_wan_vae(release.video_decoder_path, dtype=dtype, device=where))
+        module = dec.vae
+    return OutputVideoDecoder(kind, dec, Placed(module, ctx.device, release.offload))
+
+
+class OutputAudioDecoder:
+    """`AudioDecoder` with the Oobleck geometry (25 latents/s, 44.1 kHz after the 441/512
+    resampling) on every rank and the decoder only on the output rank."""
+
+    sample_rate = 44100
+    tokens_per_second = 25
+
+    def __init__(self, config: Any, decoder: Any = None, placed: Placed | None = None):
+        self.config, self.decoder, self.placed = config, decoder, placed
+        self.latent_channels, self.channels = config.latent_dim, config.out_channels
+
+    def latent_length(self, duration_s: float) -> int:
+        """25 latents per second, rounded up (at least 1), as `OobleckAudioDecoder`."""
+        return max(1, math.ceil(round(duration_s * self.tokens_per_second, 9)))
+
+    def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
+        """``[T, 64]`` fp32 -> ``[2, num_samples]`` fp32 in [-1, 1] at 44.1 kHz."""
+        if self.decoder is None:
+            raise RuntimeError("the audio decoder is loaded on output ranks only")
+        with self.placed.use():
+            return self.decoder.decode(latents, num_samples)
+
+
+def output_audio_decoder(ctx: ParallelContext, release: Any) -> OutputAudioDecoder:
+    """The Oobleck decoder (fp32) on the output rank; its configuration everywhere."""
+    from headmoe.pipeline import audio_vae
+
+    config, _ = audio_vae.folder_config(release.audio_decoder)
+    if not is_output_rank(ctx):
+        return OutputAudioDecoder(config)
+    dec = audio_vae.load_oobleck_decoder(
+        release.audio_decoder, dtype=torch.float32,
+        device=load_device(ctx.device, release.offload))
+    return OutputAudioDecoder(config, dec, Placed(dec.decoder, ctx.device, release.offload))

@@ -1,0 +1,313 @@
+"""The MAGI-2 Preview release folder (Hugging Face ``sand-ai/MAGI-2-preview``) and the
+embedded tiny folder in the same layout.
+
+Layout (paths relative to the folder; docs/pipeline.md section 7)::
+
+    preview/config.json                      transformer config, public MAGI-2 schema
+    preview/<name>.safetensors.index.json    transformer index (+ its shards next to it);
+                                             or one preview/<name>.safetensors
+    text_encoder/config.json, tokenizer.json, tokenizer_config.json,
+                 model.safetensors or model.safetensors.index.json (+ shards)
+    turbo_vae/TurboV3-Wan22-TinyShallow_7_7.json, checkpoint.ckpt   (--video-decoder turbo)
+    vae/Wan2.2_VAE.pth                                            (--video-decoder wan2.2)
+    stable-audio-open-1.0/model_config.json, model.safetensors
+    refiner/                                 not used
+
+`find_release` checks that every file the run needs exists and is readable (all missing
+ones named in one line); `check_release` then checks every header against the configs with
+the components' own check functions and `check_checkpoint`, reading no weight. Both run in
+the launching process, before any rank starts. `tiny_release` writes the embedded default:
+the same layout with tiny random components, once per content spec, atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
+TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
+MODEL_CONFIG = "config.json"
+VIDEO_DECODERS: tuple[str, ...] = ("turbo", "wan2.2")
+#: folder of each video decoder
+VIDEO_DECODER_DIRS = {"turbo": TURBO_DIR, "wan2.2": WAN_DIR}
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Release:
+    """A checked release folder as the ranks use it (picklable: plain strings).
+
+    ``transformer`` is the index (or single safetensors file) under ``preview/``;
+    ``model_config`` the `Magi2Config` of ``preview/config.json``; the other paths are
+    component folders. ``video_decoder`` is "turbo" or "wan2.2"; ``offload`` keeps the
+    encoder and decoders on the host between uses."""
+
+    root: str
+    transformer: str
+    model_config: Any
+    text_encoder: str
+    video_decoder: str
+    video_decoder_path: str
+    audio_decoder: str
+    offload: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What the sidecar records about the folder."""
+        return {
+            "release": self.root,
+            "video_decoder": self.video_decoder,
+            "video_decoder_path": self.video_decoder_path,
+            "text_encoder": self.text_encoder,
+            "audio_decoder": self.audio_decoder,
+            "offload": self.offload,
+        }
+
+
+def is_release_folder(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a folder (a release folder, checked by `find_release`)."""
+    return Path(path).expanduser().is_dir()
+
+
+def _transformer_file(root: Path) -> str | None:
+    """The transformer under preview/: its one ``*.safetensors.index.json``, else its one
+    ``*.safetensors`` file, else None. Several indexes are refused."""
+    folder = root / PREVIEW_DIR
+    indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
+    if len(indexes) > 1:
+        names = ", ".join(p.name for p in indexes)
+        raise ValueError(f"release folder {str(root)!r}: {PREVIEW_DIR}/ holds several indexes "
+                         f"({names}); keep one")
+    if indexes:
+        return str(indexes[0])
+    singles = sorted(folder.glob("*.safetensors"))
+    return str(singles[0]) if len(singles) == 1 else None
+
+
+def required_files(video_decoder: str) -> list[str]:
+    """Files (relative paths) a run with ``video_decoder`` needs, besides the transformer
+    weights and the text encoder's weights (`find_release` looks those up)."""
+    if video_decoder not in VIDEO_DECODERS:
+        raise ValueError(f"video_decoder must be one of {VIDEO_DECODERS}, got {video_decoder!r}")
+    from headmoe.pipeline import audio_vae, turbo_vae, wan_vae
+
+    video = (
+        [f"{TURBO_DIR}/{turbo_vae.CONFIG_FILE}", f"{TURBO_DIR}/{turbo_vae.CHECKPOINT_FILE}"]
+        if video_decoder == "turbo"
+        else [f"{WAN_DIR}/{wan_vae.CHECKPOINT_FILE}"]
+    )
+    text = [f"{TEXT_ENCODER_DIR}/{n}" for n in ("config.json", "tokenizer.json",
+                                                 "tokenizer_config.json")]
+    audio = [f"{AUDIO_DIR}/{audio_vae.CONFIG_FILE}", f"{AUDIO_DIR}/{audio_vae.WEIGHTS_FILE}"]
+    return [f"{PREVIEW_DIR}/{MODEL_CONFIG}", *text, *video, *audio]
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why ``path`` cannot be read (None when it can: it opens and yields a first byte)."""
+    try:
+        with open(path, "rb") as f:
+            if not f.read(1):
+                return "empty"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def find_release(
+    root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False
+) -> Release:
+    """The `Release` of folder ``root``: every file `required_files` lists, the transformer
+    under ``preview/`` and the text encoder's weights must exist and be readable; all that
+    do not are named (relative to ``root``) in one `ValueError`. ``preview/config.json`` is
+    parsed (`Magi2Config.from_json`); headers are checked by `check_release`."""
+    from headmoe.models.magi2 import Magi2Config
+
+    base = Path(root).expanduser()
+    if not base.is_dir():
+        raise ValueError(f"model={str(root)!r} is not a release folder")
+    files = required_files(video_decoder)
+    transformer = _transformer_file(base)
+    index = base / TEXT_ENCODER_DIR / f"model{INDEX_SUFFIX}"  # else the single file
+    files.append(f"{TEXT_ENCODER_DIR}/" + (index.name if index.exists() else "model.safetensors"))
+    problems = [] if transformer else [f"{PREVIEW_DIR}/*{INDEX_SUFFIX} (missing)"]
+    for rel in ([str(Path(transformer).relative_to(base))] if transformer else []) + files:
+        path = base / rel
+        why = "missing" if not path.is_file() else _unreadable(path)
+        if why:
+            problems.append(f"{rel} ({why})")
+    if problems:
+        raise ValueError(f"release folder {str(base)!r}: " + ", ".join(problems))
+    cfg = Magi2Config.from_json(base / PREVIEW_DIR / MODEL_CONFIG)
+    return Release(
+        root=str(base),
+        transformer=str(transformer),
+        model_config=dataclasses.replace(cfg, name=base.name),
+        text_encoder=str(base / TEXT_ENCODER_DIR),
+        video_decoder=video_decoder,
+        video_decoder_path=str(base / VIDEO_DECODER_DIRS[video_decoder]),
+        audio_decoder=str(base / AUDIO_DIR),
+        offload=offload,
+    )
+
+
+def _component(name: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with any failure re-raised as a one-line `ValueError` naming ``name``."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ValueError(" ".join(str(e).split())) from None
+    except Exception as e:  # unreadable / corrupt files: OSError, SafetensorError, pickle, ...
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{name}: cannot be read ({type(e).__name__}: {msg})") from None
+
+
+def check_release(release: Release) -> None:
+    """Check every header of ``release`` against the configs, reading no weight: the text
+    encoder (`check_text_encoder`; its width must be ``text_in_channels``), the chosen video
+    decoder (`check_turbo_vae` / `check_wan_vae`; 48 latent channels =
+    ``video_in_channels``), the audio decoder (`check_oobleck_decoder`; ``latent_dim`` =
+    ``audio_in_channels``), then the transformer (`check_checkpoint`). Raises a one-line
+    `ValueError` naming the file or tensor."""
+    from headmoe.models.magi2 import check_checkpoint
+    from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
+
+    cfg, root = release.model_config, Path(release.root)
+    width = _component(release.text_encoder, text_encoder.check_text_encoder, release.text_encoder)
+    pairs = [(f"{TEXT_ENCODER_DIR}/config.json hidden_size", width, "text_in_channels",
+              cfg.text_in_channels)]
+    if release.video_decoder == "turbo":
+        tcfg = _component(release.video_decoder_path, turbo_vae.check_turbo_vae,
+                          release.video_decoder_path)
+        pairs.append((f"{TURBO_DIR}/{turbo_vae.CONFIG_FILE} latent_channels",
+                      tcfg.latent_channels, "video_in_channels", cfg.video_in_channels))
+    else:
+        _component(release.video_decoder_path, wan_vae.check_wan_vae, release.video_decoder_path)
+        pairs.append((f"{WAN_DIR}/{wan_vae.CHECKPOINT_FILE} z_dim", video_latents.LATENT_CHANNELS,
+                      "video_in_channels", cfg.video_in_channels))
+    acfg = _component(release.audio_decoder, audio_vae.check_oobleck_decoder,
+                      release.audio_decoder)
+    pairs.append((f"{AUDIO_DIR}/{audio_vae.CONFIG_FILE} latent_dim", acfg.latent_dim,
+                  "audio_in_channels", cfg.audio_in_channels))
+    for what, value, field, want in pairs:
+        if value != want:
+            raise ValueError(f"release folder {str(root)!r}: {what}={value} does not match "
+                             f"{PREVIEW_DIR}/{MODEL_CONFIG} {field}={want}")
+    _component(release.transformer, check_checkpoint, cfg, release.transformer)
+
+
+# ---------------------------------------------------------------------- public schema
+def public_config(cfg: Any) -> dict[str, Any]:
+    """``cfg`` (a `Magi2Config`) as a ``config.json`` in the public MAGI-2 schema (the
+    inverse of `Magi2Config.from_dict`'s public branch; the fixed fields at the released
+    values)."""
+    top = ("num_layers", "hidden_size", "head_dim", "num_query_groups", "intermediate_factor",
+           "video_in_channels", "audio_in_channels", "text_in_channels", "params_dtype")
+    return {
+        **{k: getattr(cfg, k) for k in top},
+        "multimodal_layers": list(cfg.multimodal_layers),
+        "attention_gating": True,
+        "attention_sink_tokens": 1,
+        "attention_softcap": -1.0,
+        "mhc": {"alpha_init": 0.01, "enabled": True, "num_streams": cfg.mhc_streams,
+                "sinkhorn_epsilon": cfg.mhc_eps, "sinkhorn_iterations": cfg.mhc_sinkhorn_iters},
+        "moe": {
+            "num_heads": cfg.moe_num_heads, "num_experts": cfg.moe_num_experts,
+            "top_k": cfg.moe_top_k, "expert_intermediate_size": cfg.moe_expert_intermediate_size,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "modality_shared_expert_intermediate_size":
+                cfg.modality_shared_expert_intermediate_size,
+            "routing_scale": cfg.moe_route_scale, "layers": list(cfg.moe_layer_ids),
+            "normalize_routing_weights": True, "score_function": "sigmoid",
+        },
+    }
+
+
+# ---------------------------------------------------------------------- the tiny folder
+#: seeds and sizes of the embedded tiny release (part of its cache name)
+TINY_SPEC: dict[str, Any] = {
+    "format": 1,
+    "transformer": {"preset": "tiny", "seed": 0, "max_shard_bytes": 16 << 20},
+    "text_encoder": {"seed": 1001, "hidden_size": 64, "layers": 5},
+    "turbo_vae": {"seed": 1002, "widths": [8, 16, 24, 32]},
+    "vae": {"seed": 1004, "base_dim": 6, "decoder_base_dim": 8},
+    "audio": {"seed": 1003, "channels": 8},
+}
+TRANSFORMER_INDEX = f"model{INDEX_SUFFIX}"
+
+
+def tiny_release_name() -> str:
+    """``tiny-release-<hash>``: the hash covers `TINY_SPEC`, the tiny transformer config and
+    tensor spec, and the versions of the libraries whose initialisers draw the weights."""
+    from importlib.metadata import version
+
+    import torch
+
+    from headmoe.models.magi2 import checkpoint_spec, get_config
+
+    cfg = get_config("tiny")
+    spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
+    versions = [torch.__version__, *(version(n) for n in ("transformers", "tokenizers",
+                                                          "diffusers"))]
+    key = json.dumps([TINY_SPEC, cfg.to_dict(), spec, versions], default=list, sort_keys=True)
+    return f"tiny-release-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def write_tiny_release(folder: str | os.PathLike) -> None:
+    """Write the tiny release layout into ``folder`` (created; deterministic)."""
+    from headmoe.models.magi2 import get_config, write_random_checkpoint
+    from headmoe.pipeline import audio_vae, tiny_text_encoder, turbo_vae, wan_vae
+
+    base, spec = Path(folder), TINY_SPEC
+    cfg = get_config(spec["transformer"]["preset"])
+    text = spec["text_encoder"]
+    if cfg.text_in_channels != text["hidden_size"]:
+        raise ValueError(f"tiny preset text_in_channels={cfg.text_in_channels} must equal the "
+                         f"tiny text encoder's hidden_size={text['hidden_size']}")
+    (base / PREVIEW_DIR).mkdir(parents=True, exist_ok=True)
+    with open(base / PREVIEW_DIR / MODEL_CONFIG, "w") as f:
+        json.dump(public_config(cfg), f, indent=1)
+    write_random_checkpoint(cfg, base / PREVIEW_DIR / TRANSFORMER_INDEX,
+                            seed=spec["transformer"]["seed"],
+                            max_shard_bytes=spec["transformer"]["max_shard_bytes"])
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar
+    tiny_text_encoder.build_tiny_text_encoder(base / TEXT_ENCODER_DIR, seed=text["seed"],
+                                              hidden_size=text["hidden_size"],
+                                              layers=text["layers"])
+    t = spec["turbo_vae"]
+    turbo_vae.build_tiny_turbo_vae(base / TURBO_DIR, seed=t["seed"], widths=tuple(t["widths"]))
+    w = spec["vae"]
+    wan_vae.build_tiny_wan_vae(base / WAN_DIR, seed=w["seed"], base_dim=w["base_dim"],
+                               decoder_base_dim=w["decoder_base_dim"])
+    a = spec["audio"]
+    audio_vae.build_tiny_audio_vae(base / AUDIO_DIR, seed=a["seed"], channels=a["channels"])
+
+
+def tiny_release(cache_dir: str | os.PathLike, *, write: bool = True) -> Path:
+    """The embedded default's folder ``<cache_dir>/<tiny_release_name()>``, written once:
+    built in a temp folder beside it, then renamed into place (atomic; a concurrent writer
+    that wins the rename is kept). ``write=False`` only names it."""
+    path = Path(cache_dir).expanduser() / tiny_release_name()
+    if not write or path.is_dir():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        write_tiny_release(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not path.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return path
