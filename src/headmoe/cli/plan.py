@@ -15,9 +15,9 @@ from typing import Any
 
 from headmoe.cli.errors import UserError, run_guarded
 from headmoe.models.magi2.config import PRESETS, get_config
+from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
 from headmoe.planner.plan import GIB, LayoutPlan, plan_world
-from headmoe.planner.predict import DTYPES
 from headmoe.planner.request import RequestShape
 
 MIB = 1 << 20
