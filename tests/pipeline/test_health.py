@@ -150,7 +150,7 @@ def test_truncated_prompt_reported_in_the_sidecar(tmp_path, capsys):
         "text_tokens": [256, 1], "text_truncated": [True, False], "text_max_tokens": 256}
     out = tmp_path / "o.mp4"
     run_job(ParallelContext.single(), _job(output=str(out), request=GenerateRequest(
-        prompt=long, num_inference_steps=1)))
+        prompt=long, negative_prompt="", num_inference_steps=1)))
     side = json.loads(out.with_suffix(".json").read_text())
     assert side["text_truncated"] == [True, False] and side["text_tokens"] == [256, 1]
     assert side["text_max_tokens"] == 256

@@ -40,6 +40,17 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
+from headmoe.models.magi2 import (
+    PRESETS,
+    BranchInput,
+    Magi2Config,
+    Magi2Transformer,
+    checkpoint_spec,
+    get_config,
+    load_checkpoint,
+    write_random_checkpoint,
+)
+from headmoe.pipeline import placement
 from headmoe.pipeline.encoders import (
     AudioDecoder,
     ByteTextEncoder,
@@ -70,24 +81,13 @@ from headmoe.pipeline.seeding import seeded_generator
 TINY_CHECKPOINT_SEED = 0
 
 
-@dataclass(frozen=True)
-class Branch:
-    """One CFG branch as the pipeline hands it to a denoiser: video latents
-    ``[T_lat, H_lat, W_lat, C_video]``, audio latents ``[T_audio, C_audio]``, text features
-    ``[L_text, C_text]`` (fp32, on the rank's device) and the noise levels (1 = pure noise)."""
-
-    video: torch.Tensor
-    audio: torch.Tensor
-    text: torch.Tensor
-    t_video: float
-    t_audio: float
-
-
 class Denoiser(Protocol):
     """Velocity predictions ``[(v_video, v_audio)]`` (fp32, shaped like each branch's video
     and audio) for the branches this rank's SP group runs; identical on every rank of it."""
 
-    def __call__(self, branches: Sequence[Branch]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+    def __call__(
+        self, branches: Sequence[BranchInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 @dataclass
@@ -135,16 +135,13 @@ class Magi2Denoiser:
     """`Denoiser` over a `headmoe.models.magi2.Magi2Transformer`."""
 
     def __init__(self, model: Any):
-        from headmoe.models.magi2 import BranchInput
-
-        self.model, self._input = model, BranchInput
+        self.model = model
 
     @torch.no_grad()
-    def __call__(self, branches: Sequence[Branch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        outs = self.model(
-            [self._input(b.video, b.audio, b.text, b.t_video, b.t_audio) for b in branches]
-        )
-        return [(o.video, o.audio) for o in outs]
+    def __call__(
+        self, branches: Sequence[BranchInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(o.video, o.audio) for o in self.model(list(branches))]
 
 
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
@@ -152,8 +149,6 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
     each node's first rank, decoders on the output rank) or the stand-in text encoder and
     decoders sized to the model's channels."""
-    from headmoe.models.magi2 import Magi2Transformer, load_checkpoint
-
     cfg = job.model_config
     with torch.device(ctx.device):  # allocate the weights where they run, not on the host
         model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
@@ -162,8 +157,6 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     if job.check_layers:
         watch_layers(model)
     if job.release is not None:
-        from headmoe.pipeline import placement
-
         timeout = timedelta(seconds=job.timeout_s)
         return Components(
             Magi2Denoiser(model),
@@ -206,13 +199,6 @@ def resolve_model(
     checkpoint's folder.
 
     Raises `ValueError` naming ``model`` / ``model_config`` for anything else."""
-    from headmoe.models.magi2 import (
-        PRESETS,
-        Magi2Config,
-        checkpoint_spec,
-        get_config,
-        write_random_checkpoint,
-    )
 
     if model == "tiny":
         cfg = get_config("tiny")
@@ -285,6 +271,96 @@ def build_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     return (job.components or magi2_components)(ctx, job)
 
 
+@dataclass
+class Noise:
+    """The initial latents of one request on one rank: video ``[T_lat, H_lat, W_lat, C_v]``
+    and audio ``[T_audio, C_a]`` fp32 on the rank's device, from one generator seeded with
+    ``seed`` (video drawn first), identical on every rank of a DP group."""
+
+    seed: int
+    video: torch.Tensor
+    audio: torch.Tensor
+    num_samples: int
+
+
+def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) -> Noise:
+    """Step 1: the noise of DP group ``coords.dp`` (seed ``req.seed + dp``)."""
+    shape = parts.video_decoder.latent_shape(req.num_frames, req.height, req.width)
+    t_audio = parts.audio_decoder.latent_length(req.duration_s)
+    seed = req.seed + ctx.coords.dp
+    gen = seeded_generator(seed)  # every bit of the seed (manual_seed keeps 32)
+    xv = torch.randn((*shape, parts.video_decoder.latent_channels), generator=gen)
+    xa = torch.randn((t_audio, parts.audio_decoder.latent_channels), generator=gen)
+    return Noise(seed, xv.to(ctx.device), xa.to(ctx.device),
+                 req.audio_samples(parts.audio_decoder.sample_rate))
+
+
+def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
+             texts: list[torch.Tensor], sigma: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(cond video, cond audio), (uncond video, uncond audio)] at noise level ``sigma``:
+    both branches packed in one forward (CFG1), or this rank's branch and one all-gather of
+    the predictions over the CFG group (CFG2)."""
+    mine = [0, 1] if ctx.topology.cfg == 1 else [ctx.coords.cfg]
+    preds = parts.denoiser([BranchInput(xv, xa, texts[b], sigma, sigma) for b in mine])
+    if ctx.topology.cfg == 1:
+        return preds
+    flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
+    got = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(got, flat, group=ctx.group("cfg"))
+    nv = xv.numel()
+    return [(g[:nv].view_as(xv), g[nv:].view_as(xa)) for g in got]
+
+
+def denoise(
+    ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise,
+    texts: list[torch.Tensor], on_step: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """Step 2: the sampler loop; returns the final video and audio latents and the step
+    times (s). Every rank combines the same predictions with the same arithmetic."""
+    req = job.request
+    sigmas = flow_sigmas(req.num_inference_steps, req.shift)
+    samp_v, samp_a = make_sampler(req.sampler, sigmas), make_sampler(req.sampler, sigmas)
+    xv, xa, step_times = noise.video, noise.audio, []
+    bar = tqdm(total=req.num_inference_steps, desc="denoising", unit="step",
+               disable=not (job.progress and ctx.rank == 0))
+    for i in range(req.num_inference_steps):
+        t0 = time.perf_counter()
+        note_step(i)
+        preds = _predict(ctx, parts, xv, xa, texts, sigmas[i])
+        check_step(i, req.num_inference_steps, preds, sigmas[i])  # same preds on every rank
+        (vc, ac), (vu, au) = preds
+        xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
+        xa = samp_a.step(i, xa, cfg_combine(ac, au, req.audio_guidance_scale))
+        step_times.append(time.perf_counter() - t0)
+        bar.update(1)
+        if on_step is not None:
+            on_step(i + 1, req.num_inference_steps)
+    bar.close()
+    return xv, xa, step_times
+
+
+def _gather_infos(ctx: ParallelContext, step_times: list[float]) -> list[dict[str, Any]]:
+    """Every rank's step times and counters (one all-gather of small host objects)."""
+    mine = {"rank": ctx.rank, "dp": ctx.coords.dp, "step_times_s": step_times,
+            "counters": ctx.counters.summary()}
+    if ctx.world_size == 1:
+        return [mine]
+    infos: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(infos, mine)
+    return infos
+
+
+def decode(parts: Components, req: GenerateRequest, xv: torch.Tensor, xa: torch.Tensor,
+           num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3 (the writer rank): uint8 frames ``[F, H, W, 3]`` and int16 audio
+    ``[channels, samples]``, with the numerical-health checks around the decoders."""
+    check_media("before decoding", **{"video latents": xv, "audio latents": xa})
+    frames = parts.video_decoder.decode(xv.float().cpu(), req.num_frames)
+    wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)
+    check_media("after decoding", **{"audio waveform": wave})
+    return frames, quantize_audio(wave)
+
+
 def run_request(
     ctx: ParallelContext,
     job: GenerateJob,
@@ -298,119 +374,57 @@ def run_request(
     before anything is written (for cancellation it must decide the same on every rank).
     ``t_start`` (a `time.perf_counter` value, default now) starts the sidecar's ``total_s``."""
     t_start = time.perf_counter() if t_start is None else t_start
-    req, topo, coords = job.request, ctx.topology, ctx.coords
-    shape = parts.video_decoder.latent_shape(req.num_frames, req.height, req.width)
-    num_samples = req.audio_samples(parts.audio_decoder.sample_rate)
-    t_audio = parts.audio_decoder.latent_length(req.duration_s)
-    seed = req.seed + coords.dp
-    gen = seeded_generator(seed)  # every bit of the seed (manual_seed keeps 32)
-    xv = torch.randn((*shape, parts.video_decoder.latent_channels), generator=gen)
-    xa = torch.randn((t_audio, parts.audio_decoder.latent_channels), generator=gen)
-    xv, xa = xv.to(ctx.device), xa.to(ctx.device)
+    req, coords = job.request, ctx.coords
+    noise = draw_noise(ctx, req, parts)
     prompts = (req.prompt, req.negative_prompt)
     texts, text_counts = encode_prompts(parts.text_encoder, prompts, ctx.device)
     text_info = text_report(parts.text_encoder, prompts, texts, text_counts)
-    sigmas = flow_sigmas(req.num_inference_steps, req.shift)
-    samp_v, samp_a = make_sampler(req.sampler, sigmas), make_sampler(req.sampler, sigmas)
-    cfg_size = topo.cfg
-    mine = [0, 1] if cfg_size == 1 else [coords.cfg]
-    cfg_group = ctx.group("cfg")
-    step_times: list[float] = []
-    bar = tqdm(
-        total=req.num_inference_steps,
-        desc="denoising",
-        unit="step",
-        disable=not (job.progress and ctx.rank == 0),
-    )
-    for i in range(req.num_inference_steps):
-        t0 = time.perf_counter()
-        note_step(i)
-        s = sigmas[i]
-        preds = parts.denoiser([Branch(xv, xa, texts[b], s, s) for b in mine])
-        if cfg_size == 2:
-            flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
-            got = [torch.empty_like(flat) for _ in range(2)]
-            dist.all_gather(got, flat, group=cfg_group)
-            nv = xv.numel()
-            preds = [(g[:nv].view_as(xv), g[nv:].view_as(xa)) for g in got]
-        check_step(i, req.num_inference_steps, preds, s)  # same preds on every rank
-        (vc, ac), (vu, au) = preds
-        xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
-        xa = samp_a.step(i, xa, cfg_combine(ac, au, req.audio_guidance_scale))
-        step_times.append(time.perf_counter() - t0)
-        bar.update(1)
-        if on_step is not None:
-            on_step(i + 1, req.num_inference_steps)
-    bar.close()
-    mine_info = {
-        "rank": ctx.rank,
-        "dp": coords.dp,
-        "step_times_s": step_times,
-        "counters": ctx.counters.summary(),
-    }
-    infos = [mine_info]
-    if ctx.world_size > 1:
-        infos = [None] * ctx.world_size
-        dist.all_gather_object(infos, mine_info)
-    result = {
-        "rank": ctx.rank,
-        "dp_index": coords.dp,
-        "seed": seed,
-        "video_sha256": None,
-        "audio_sha256": None,
-        "output": None,
-        "sidecar": None,
-        "step_times_s": step_times,
-    }
+    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step)
+    infos = _gather_infos(ctx, step_times)
+    result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
+              "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
     if (coords.sp, coords.cfg) != (0, 0):
         return result
-    check_media("before decoding", **{"video latents": xv, "audio latents": xa})
-    frames = parts.video_decoder.decode(xv.float().cpu(), req.num_frames)
-    wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)
-    check_media("after decoding", **{"audio waveform": wave})
+    frames, audio = decode(parts, req, xv, xa, noise.num_samples)
     warn_truncated(text_info)
-    audio = quantize_audio(wave)
     result["video_sha256"], result["audio_sha256"] = tensor_sha256(frames), tensor_sha256(audio)
     if job.output is None:
         return result
-    out = output_path(job.output, coords.dp, topo.dp)
+    out = output_path(job.output, coords.dp, ctx.topology.dp)
+    text = {**text_info, "text": None if text_counts is None else {
+        "prompt": text_counts[0], "negative_prompt": text_counts[1],
+        "max_tokens": getattr(parts.text_encoder, "max_tokens", None)}}
+    side = _sidecar(ctx, job, parts, noise, frames, audio, infos, text, result)
+    write_outputs(out, side, frames, audio, req.fps, parts.audio_decoder.sample_rate, t_start)
+    result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
+    return result
+
+
+def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise,
+             frames: torch.Tensor, audio: torch.Tensor, infos: list[dict[str, Any]],
+             text: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """The JSON sidecar of one DP group's output (docs/pipeline.md lists the fields)."""
+    req, topo, coords = job.request, ctx.topology, ctx.coords
     group = [x for x in infos if x["dp"] == coords.dp]
     per_rank = {str(x["rank"]): x["step_times_s"] for x in group}
-    side = {
+    release = job.release.describe() if job.release is not None else {}
+    return {
         "request": req.to_dict(),
-        "seed": seed,
-        **text_info,
-        "model": {
-            "name": getattr(job.model_config, "name", None),
-            "checkpoint": job.checkpoint,
-            **(job.release.describe() if job.release is not None else {}),
-        },
-        "text": None
-        if text_counts is None
-        else {
-            "prompt": text_counts[0],
-            "negative_prompt": text_counts[1],
-            "max_tokens": getattr(parts.text_encoder, "max_tokens", None),
-        },
-        "layout": {
-            **job.parallel.to_dict(),
-            "world_size": ctx.world_size,
-            "resolved_expert_parallel_size": topo.expert_parallel_size,
-            "ep_replicas": topo.ep_replicas,
-            "dp_index": coords.dp,
-            "ranks": [x["rank"] for x in group],
-        },
-        "latents": {
-            "video": [*shape, parts.video_decoder.latent_channels],
-            "audio": [t_audio, parts.audio_decoder.latent_channels],
-        },
-        "media": {
-            "frames": list(frames.shape),
-            "fps": req.fps,
-            "audio_samples": list(audio.shape),
-            "sample_rate": parts.audio_decoder.sample_rate,
-        },
-        "step_times_s": {"per_rank": per_rank, "max": [max(ts) for ts in zip(*per_rank.values())]},
+        "seed": noise.seed,
+        **{k: v for k, v in text.items() if k != "text"},
+        "model": {"name": getattr(job.model_config, "name", None),
+                  "checkpoint": job.checkpoint, **release},
+        "text": text["text"],
+        "layout": {**job.parallel.to_dict(), "world_size": ctx.world_size,
+                   "resolved_expert_parallel_size": topo.expert_parallel_size,
+                   "ep_replicas": topo.ep_replicas, "dp_index": coords.dp,
+                   "ranks": [x["rank"] for x in group]},
+        "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
+        "media": {"frames": list(frames.shape), "fps": req.fps,
+                  "audio_samples": list(audio.shape),
+                  "sample_rate": parts.audio_decoder.sample_rate},
+        "step_times_s": {"per_rank": per_rank,
+                         "max": [max(ts) for ts in zip(*per_rank.values())]},
         "total_s": None,  # set once the mp4 is written
         "video_sha256": result["video_sha256"],
         "audio_sha256": result["audio_sha256"],
@@ -418,17 +432,20 @@ def run_request(
         "torch": torch.__version__,
         **job.extra,
     }
-    write_mp4(out, frames, req.fps, audio, parts.audio_decoder.sample_rate)
+
+
+def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: torch.Tensor,
+                  fps: float, sample_rate: int, t_start: float) -> None:
+    """Step 4: the mp4 and its sidecar, each atomically; neither file of this run stays if
+    the sidecar cannot be written (nor an older sidecar that no longer matches)."""
+    write_mp4(out, frames, fps, audio, sample_rate)
     side["total_s"] = time.perf_counter() - t_start
     try:
         write_sidecar(sidecar_path(out), side)
     except BaseException:
-        # neither file of this run stays, nor an older sidecar that no longer matches
         out.unlink()
         sidecar_path(out).unlink(missing_ok=True)
         raise
-    result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
-    return result
 
 
 # ---------------------------------------------------------------------- rank entry points

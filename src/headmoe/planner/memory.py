@@ -74,7 +74,7 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The busiest rank's `MemoryEstimate` for `request` under `parallel` (`frames`:
     (num_frames, height, width) of the decoded clip; `audio_samples` of the waveform)."""
-    ep = parallel.resolved_expert_parallel_size("head")
+    ep = parallel.resolved_expert_parallel_size()
     weights = max(weight_bytes(model, ep, r, dtype)[1] for r in range(ep))
     load = min(LOAD_BATCH_BYTES, weights)
     sp = parallel.ulysses_degree
