@@ -68,13 +68,22 @@ def flagify(message: str) -> str:
 
 def register(subparsers: Any) -> None:
     """Add the ``generate`` subcommand."""
-    d = _REQ_DEFAULTS
     p = subparsers.add_parser(
         "generate",
         help="text -> video + audio mp4",
         description="Generate a video with sound from a prompt, on one or many ranks.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _add_model_flags(p)
+    _add_request_flags(p)
+    _add_layout_flags(p)
+    _add_run_flags(p)
+    checks.add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """--model, --model-config, --video-decoder, --offload, --cache-dir."""
     p.add_argument(
         "--model",
         default="tiny",
@@ -106,6 +115,11 @@ def register(subparsers: Any) -> None:
         default="~/.cache/headmoe",
         help="where the tiny release folder is written once",
     )
+
+
+def _add_request_flags(p: argparse.ArgumentParser) -> None:
+    """The request: prompts, size, steps, seed, guidance, sampler, dtype."""
+    d = _REQ_DEFAULTS
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
         "--prompt",
@@ -136,6 +150,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shift", type=float, default=d["shift"], help="flow-matching time shift")
     p.add_argument("--sampler", choices=SAMPLERS, default=d["sampler"])
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d["dtype"])
+
+
+def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+    """SP, CFG, DP and head-EP degrees and the MoE exchange."""
     p.add_argument("--ulysses-degree", type=int, default=1)
     p.add_argument("--cfg-parallel-size", type=int, default=1)
     p.add_argument(
@@ -152,6 +170,10 @@ def register(subparsers: Any) -> None:
         help="EP degree (divides --ulysses-degree); default: the SP group",
     )
     p.add_argument("--moe-exchange", choices=MOE_EXCHANGES, default="auto")
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """--output, --nproc, --timeout, --no-progress."""
     p.add_argument("--output", default="output.mp4", help="mp4 path; sidecar: .json next to it")
     p.add_argument(
         "--nproc",
@@ -167,16 +189,12 @@ def register(subparsers: Any) -> None:
         "stopped responding is named",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    checks.add_arguments(p)
-    p.set_defaults(run=run)
 
 
 def build_job(args: argparse.Namespace) -> tuple[Any, int]:
     """Validate every flag and build the `GenerateJob` and the world size (pure checks plus
     writing the tiny checkpoint once). Raises `ValueError` with flag names."""
-    from headmoe.models.magi2 import check_checkpoint, validate_parallel
-    from headmoe.pipeline.job import GenerateJob, resolve_model
-    from headmoe.pipeline.release import is_release_folder
+    from headmoe.pipeline.job import GenerateJob
 
     checks.check_args(args)  # prompt, --num-frames, --seed: before anything else
     try:
@@ -212,29 +230,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
         checks.check_output(output, args.overwrite, parallel.data_parallel_size)
-        if args.model == "tiny" or is_release_folder(args.model):
-            release = _release(args, request, parallel)  # checks every header
-            model_config, checkpoint = release.model_config, release.transformer
-            checks.check_memory(args, model_config, request, parallel, world)
-        else:
-            release = None
-            for name in ("video_decoder", "offload"):
-                if getattr(args, name):
-                    raise ValueError(f"{name} applies to a release folder, not to "
-                                     f"model={args.model!r}")
-            model_config, _ = resolve_model(
-                args.model, args.cache_dir, args.model_config, write=False
-            )
-            validate_parallel(model_config, parallel)
-            TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
-            request.audio_samples(TinyAudioDecoder.sample_rate)
-            checks.check_memory(args, model_config, request, parallel, world)  # before any weight
-            _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
-        if release is None or args.check_weights:
-            headers, report = check_checkpoint(model_config, checkpoint)  # headers only
-            checks.report_conversions(report)
-            if args.check_weights:
-                checks.scan_weights(checkpoint, headers, report.prefix)
+        model_config, checkpoint, release = _checked_model(args, request, parallel, world)
     except ValueError as exc:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flagify(str(exc))) from None
@@ -251,6 +247,40 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         release=release,
     )
     return job, world
+
+
+def _checked_model(args: argparse.Namespace, request: GenerateRequest,
+                   parallel: ParallelConfig, world: int) -> tuple[Any, str, Any]:
+    """(model config, transformer checkpoint, release or None) of ``--model``, with every
+    header, the layout and the memory estimate checked before any weight is built."""
+    from headmoe.models.magi2 import check_checkpoint, validate_parallel
+    from headmoe.pipeline.job import resolve_model
+    from headmoe.pipeline.release import is_release_folder
+
+    if args.model == "tiny" or is_release_folder(args.model):
+        release = _release(args, request, parallel)  # checks every header
+        model_config, checkpoint = release.model_config, release.transformer
+        checks.check_memory(args, model_config, request, parallel, world)
+    else:
+        release = None
+        for name in ("video_decoder", "offload"):
+            if getattr(args, name):
+                raise ValueError(f"{name} applies to a release folder, not to "
+                                 f"model={args.model!r}")
+        model_config, _ = resolve_model(
+            args.model, args.cache_dir, args.model_config, write=False
+        )
+        validate_parallel(model_config, parallel)
+        TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
+        request.audio_samples(TinyAudioDecoder.sample_rate)
+        checks.check_memory(args, model_config, request, parallel, world)  # before any weight
+        _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
+    if release is None or args.check_weights:
+        headers, report = check_checkpoint(model_config, checkpoint)  # headers only
+        checks.report_conversions(report)
+        if args.check_weights:
+            checks.scan_weights(checkpoint, headers, report.prefix)
+    return model_config, checkpoint, release
 
 
 def _release(args: argparse.Namespace, request: GenerateRequest, parallel: ParallelConfig):

@@ -126,48 +126,40 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
         "busiest rank GiB",
         "pick",
     )
-    rows = [head, tuple("---" for _ in head)]
-    autos = {
-        (
-            p.parallel.ulysses_degree,
-            p.parallel.cfg_parallel_size,
-            p.parallel.data_parallel_size,
-            p.expert_parallel_size,
-            p.auto_exchange,
-        )
-        for p in plans
-    }
-    for p in plans:
-        par = p.parallel
-        key = (
-            par.ulysses_degree,
-            par.cfg_parallel_size,
-            par.data_parallel_size,
-            p.expert_parallel_size,
-            p.moe_exchange,
-        )
-        rows.append(
-            (
-                f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
-                str(p.expert_parallel_size),
-                p.moe_exchange + (" (auto)" if key in autos else ""),
-                str(p.attention_heads_per_rank),
-                f"{p.moe_heads_per_rank} (+{p.padded_moe_heads})",
-                f"{p.busiest_moe_rows:,}",
-                f"{p.moe_bytes_sent_per_rank / MIB:,.2f}",
-                f"{p.ulysses_bytes_sent_per_rank / MIB:,.2f}",
-                f"{p.ulysses_peers}/{p.moe_peers}",
-                f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
-                f"{p.weight_bytes_per_rank / GIB:,.2f}",
-                f"{p.text_encoder_bytes / GIB:,.2f}",
-                f"{p.decoder_bytes / GIB:,.2f}",
-                f"{p.busiest_rank_bytes / GIB:,.2f}",
-                "**recommended**" if p.recommended else "",
-            )
-        )
+    autos = {_exchange_key(p, p.auto_exchange) for p in plans}
+    rows = [head, tuple("---" for _ in head)] + [_row(p, autos) for p in plans]
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     best = next(p for p in plans if p.recommended)
     return "\n".join(lines) + f"\n\nRecommended: {best.name} — {reason}."
+
+
+def _exchange_key(p: LayoutPlan, exchange: str) -> tuple:
+    par = p.parallel
+    return (par.ulysses_degree, par.cfg_parallel_size, par.data_parallel_size,
+            p.expert_parallel_size, exchange)
+
+
+def _row(p: LayoutPlan, autos: set[tuple]) -> tuple[str, ...]:
+    """One layout's cells, in the order of `format_table`'s header."""
+    par = p.parallel
+    auto = " (auto)" if _exchange_key(p, p.moe_exchange) in autos else ""
+    return (
+        f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
+        str(p.expert_parallel_size),
+        p.moe_exchange + auto,
+        str(p.attention_heads_per_rank),
+        f"{p.moe_heads_per_rank} (+{p.padded_moe_heads})",
+        f"{p.busiest_moe_rows:,}",
+        f"{p.moe_bytes_sent_per_rank / MIB:,.2f}",
+        f"{p.ulysses_bytes_sent_per_rank / MIB:,.2f}",
+        f"{p.ulysses_peers}/{p.moe_peers}",
+        f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
+        f"{p.weight_bytes_per_rank / GIB:,.2f}",
+        f"{p.text_encoder_bytes / GIB:,.2f}",
+        f"{p.decoder_bytes / GIB:,.2f}",
+        f"{p.busiest_rank_bytes / GIB:,.2f}",
+        "**recommended**" if p.recommended else "",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
