@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.cli.errors import run_guarded
+from headmoe.cli.generate import LAYOUT_FIELDS
 from headmoe.config import ParallelConfig
 from headmoe.distributed.counters import Counters
 from headmoe.errors import RuntimeFault, UserError
@@ -43,12 +44,7 @@ from headmoe.planner.request import RequestShape
 #: generate options compare sets itself (by argparse dest)
 OWN_DESTS = frozenset(
     {
-        "ulysses_degree",
-        "cfg_parallel_size",
-        "data_parallel_size",
-        "enable_expert_parallel",
-        "expert_parallel_size",
-        "moe_exchange",
+        *LAYOUT_FIELDS,
         "nproc",
         "output",
         "no_progress",

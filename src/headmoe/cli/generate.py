@@ -33,6 +33,8 @@ from headmoe.pipeline.request import DTYPES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
 _REQ_DEFAULTS = {f.name: f.default for f in fields(GenerateRequest)}
+#: the layout flags are the fields of `ParallelConfig` (dest = field name)
+LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ParallelConfig))
 
 #: config / request field -> flag, for error messages
 FLAGS: dict[str, str] = {
@@ -40,12 +42,7 @@ FLAGS: dict[str, str] = {
     **{
         name: "--" + name.replace("_", "-")
         for name in (
-            "ulysses_degree",
-            "cfg_parallel_size",
-            "data_parallel_size",
-            "enable_expert_parallel",
-            "expert_parallel_size",
-            "moe_exchange",
+            *LAYOUT_FIELDS,
             "model",
             "model_config",
             "output",
