@@ -65,7 +65,7 @@ def _refused(model: Path, tmp_path: Path, capsys, monkeypatch, *flags: str) -> s
                  str(out), *REQUEST, *flags])
     err = capsys.readouterr().err
     assert code == 2 and not launched and not out.exists(), err
-    assert err.startswith("headmoe generate: error: ") and err.count("\n") == 1, err
+    assert err.startswith("headmoe: error: ") and err.count("\n") == 1, err
     return err
 
 

@@ -69,6 +69,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+#: generate flags a server fixes for every request (its outputs are server-named files;
+#: the memory check is the server's own, against --memory-gib)
+GENERATE_ONLY = {"overwrite": True, "max_memory_gib": None, "check_weights": False,
+                 "prompt_file": None, "video_decoder": None, "offload": False}
+
+
 def _memory_budget(args: argparse.Namespace, world: int) -> int | None:
     if args.memory_gib is not None:
         if args.memory_gib < 0:
@@ -91,7 +97,8 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
     if args.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size must be 1 for serve, got {args.data_parallel_size}")
     defaults = {f.name: f.default for f in fields(GenerateRequest)}
-    gen = argparse.Namespace(**{**defaults, **vars(args), "prompt": "", "output": "serve.mp4",
+    gen = argparse.Namespace(**{**defaults, **GENERATE_ONLY, **vars(args), "prompt": "",
+                                "output": "serve.mp4",
                                 "no_progress": True})
     job, world = build_job(gen)
     if args.max_queue < 1:
@@ -112,7 +119,8 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
     spec = ServeSpec(job.parallel, job.model_config, job.checkpoint, args.model, args.dtype,
                      os.path.abspath(os.path.expanduser(args.output_dir)), args.host, args.port,
                      args.api_key, args.max_queue, args.timeout, args.drain_timeout,
-                     _memory_budget(args, world), log_level=args.log_level)
+                     _memory_budget(args, world), log_level=args.log_level,
+                     release=job.release)
     weights, act = estimate_rank_bytes(spec, GenerateRequest(prompt="", dtype=args.dtype))
     if spec.memory_bytes is not None and weights + act > spec.memory_bytes:
         raise ValueError(f"the model needs an estimated {(weights + act) / GIB:.2f} GiB per rank, "

@@ -41,6 +41,9 @@ class ServeSpec:
     memory_bytes: int | None = None
     tick_s: float = 0.5
     log_level: str = "warning"
+    release: Any = None
+    """The checked `headmoe.pipeline.release.Release` (text encoder and decoders), or None
+    for a bare transformer checkpoint with the stand-in encoders (as `generate`)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,4 +78,5 @@ class ServeSpec:
             timeout_s=self.timeout_s,
             progress=False,
             extra=extra,
+            release=self.release,
         )
