@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import headmoe.pipeline.job as job_mod
 from headmoe.cli.main import main
-from headmoe.pipeline.job import resolve_model
+from headmoe.pipeline.magi2 import resolve_model
 
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 SRC = str(Path(__file__).resolve().parents[2] / "src")

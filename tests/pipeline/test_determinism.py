@@ -6,7 +6,8 @@ import torch
 
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline.job import GenerateJob, resolve_model, run_job, run_jobs
+from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
+from headmoe.pipeline.magi2 import resolve_model
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.testing import run_ranks
 

@@ -316,7 +316,7 @@ def check_request(args: argparse.Namespace) -> None:
     """Refuse, before any run: a layout the model cannot run (named), and the forwarded
     prompt / frame / seed flags `generate` would refuse."""
     from headmoe.cli import checks
-    from headmoe.pipeline.job import resolve_model
+    from headmoe.pipeline.magi2 import resolve_model
     from headmoe.planner.predict import layout_topology
 
     model, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)

@@ -251,7 +251,7 @@ def _checked_model(args: argparse.Namespace, request: GenerateRequest,
     """(model config, transformer checkpoint, release or None) of ``--model``, with every
     header, the layout and the memory estimate checked before any weight is built."""
     from headmoe.models.magi2 import check_checkpoint, validate_parallel
-    from headmoe.pipeline.job import resolve_model
+    from headmoe.pipeline.magi2 import resolve_model
     from headmoe.pipeline.release import is_release_folder
 
     if args.model == "tiny" or is_release_folder(args.model):

@@ -17,9 +17,14 @@ and rank):
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from headmoe.models.magi2 import BranchInput
 
 TEXT_SEED, VIDEO_SEED, AUDIO_SEED = 1001, 1002, 1003
 
@@ -139,3 +144,22 @@ class TinyAudioDecoder:
     def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
         wave = torch.tanh(latents @ self.weight).reshape(1, -1)
         return wave[:, :num_samples]
+
+
+class Denoiser(Protocol):
+    """Velocity predictions ``[(v_video, v_audio)]`` (fp32, shaped like each branch's video
+    and audio) for the branches this rank's SP group runs; identical on every rank of it."""
+
+    def __call__(
+        self, branches: Sequence[BranchInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+@dataclass
+class Components:
+    """What a job runs: the transformer behind `Denoiser` and the three codecs."""
+
+    denoiser: Denoiser
+    text_encoder: TextEncoder
+    video_decoder: VideoDecoder
+    audio_decoder: AudioDecoder

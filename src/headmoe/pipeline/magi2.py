@@ -1,0 +1,146 @@
+"""The MAGI-2 glue of the pipeline: the transformer behind the `Denoiser` protocol, the
+components of a job, and `resolve_model` (the embedded tiny checkpoint or a checkpoint path
+with its model config)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from headmoe.distributed.context import ParallelContext
+from headmoe.models.magi2 import (
+    PRESETS,
+    BranchInput,
+    Magi2Config,
+    Magi2Transformer,
+    checkpoint_spec,
+    get_config,
+    load_checkpoint,
+    write_random_checkpoint,
+)
+from headmoe.pipeline import placement
+from headmoe.pipeline.encoders import (
+    ByteTextEncoder,
+    Components,
+    TinyAudioDecoder,
+    TinyVideoDecoder,
+)
+from headmoe.pipeline.health import watch_layers
+
+if TYPE_CHECKING:
+    from headmoe.pipeline.job import GenerateJob
+
+#: the seed of the embedded tiny model's random checkpoint
+TINY_CHECKPOINT_SEED = 0
+
+
+class Magi2Denoiser:
+    """`Denoiser` over a `headmoe.models.magi2.Magi2Transformer`."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(
+        self, branches: Sequence[BranchInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(o.video, o.audio) for o in self.model(list(branches))]
+
+
+def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
+    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded, and either
+    the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
+    each node's first rank, decoders on the output rank) or the stand-in text encoder and
+    decoders sized to the model's channels."""
+    cfg = job.model_config
+    with torch.device(ctx.device):  # allocate the weights where they run, not on the host
+        model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
+    load_checkpoint(model, job.checkpoint)
+    model.eval()
+    if job.check_layers:
+        watch_layers(model)
+    if job.release is not None:
+        timeout = timedelta(seconds=job.timeout_s)
+        return Components(
+            Magi2Denoiser(model),
+            placement.node_text_encoder(ctx, job.release, timeout),
+            placement.output_video_decoder(ctx, job.release),
+            placement.output_audio_decoder(ctx, job.release),
+        )
+    return Components(
+        Magi2Denoiser(model),
+        ByteTextEncoder(cfg.text_in_channels),
+        TinyVideoDecoder(cfg.video_in_channels),
+        TinyAudioDecoder(cfg.audio_in_channels),
+    )
+
+
+def resolve_model(
+    model: str,
+    cache_dir: str | os.PathLike,
+    model_config: str | None = None,
+    *,
+    write: bool = True,
+) -> tuple[Any, str]:
+    """``(Magi2Config, checkpoint path)`` for ``model``: the preset "tiny" (deterministic
+    random weights, seed `TINY_CHECKPOINT_SEED`, written once to ``cache_dir`` under a name
+    that hashes the tensor spec, atomically; ``write=False`` only names the file) or a
+    checkpoint path (``.safetensors`` or ``.safetensors.index.json``) whose config is the
+    preset ``model_config`` or a ``config.json`` (a `Magi2Config.to_dict()`) in the
+    checkpoint's folder.
+
+    Raises `ValueError` naming ``model`` / ``model_config`` for anything else."""
+
+    if model == "tiny":
+        cfg = get_config("tiny")
+        spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
+        key = json.dumps([cfg.to_dict(), spec, TINY_CHECKPOINT_SEED], default=list)
+        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        path = Path(cache_dir).expanduser() / f"{name}.safetensors"
+        if write and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+            try:
+                write_random_checkpoint(cfg, tmp, seed=TINY_CHECKPOINT_SEED)
+                os.replace(tmp, path)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+        return cfg, str(path)
+    if model in PRESETS:
+        raise ValueError(
+            f"model={model!r}: only the 'tiny' preset has embedded random weights; pass a "
+            f"checkpoint path and model_config={model!r}"
+        )
+    path = Path(model).expanduser()
+    if not path.is_file() or not path.name.endswith((".safetensors", ".safetensors.index.json")):
+        raise ValueError(
+            f"model must be 'tiny', a release folder or an existing .safetensors / "
+            f".safetensors.index.json file, got {model!r}"
+        )
+    if model_config is not None:
+        if model_config in PRESETS:
+            return get_config(model_config), str(path)
+        if not Path(model_config).expanduser().is_file():
+            raise ValueError(
+                f"model_config={model_config!r} is neither a preset "
+                f"({', '.join(sorted(PRESETS))}) nor a JSON file"
+            )
+        return Magi2Config.from_json(Path(model_config).expanduser()), str(path)
+    cfg_file = path.parent / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(
+            f"model={model!r} has no config.json next to it; set model_config to a preset "
+            f"({', '.join(sorted(PRESETS))}) or a model config JSON file"
+        )
+    return Magi2Config.from_json(cfg_file), str(path)
+
+
