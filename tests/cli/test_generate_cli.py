@@ -15,6 +15,7 @@ import pytest
 from headmoe.cli.generate import flagify
 from headmoe.cli.main import build_parser, main
 from headmoe.pipeline.media import read_mp4
+from headmoe.testing import spawned_rank_pids
 
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 
@@ -123,16 +124,7 @@ def test_console_command_writes_playable_mp4(tmp_path):
 
 def _worker_pids(parent):
     """Spawned rank processes under ``parent`` (the launcher)."""
-    kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    out = []
-    for pid in kids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except FileNotFoundError:
-            continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            out.append(int(pid))
-    return out
+    return spawned_rank_pids(parent)
 
 
 @pytest.mark.multirank

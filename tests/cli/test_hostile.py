@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 import headmoe.pipeline.job as job_mod
 from headmoe.cli.main import main
 from headmoe.pipeline.magi2 import resolve_model
+from headmoe.testing import spawned_rank_pids
 
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -430,16 +431,7 @@ def test_nan_weight_fails_the_run_not_a_black_mp4(tmp_path, cache, tiny_tensors,
 
 
 def _rank_pids(parent: int) -> list[int]:
-    kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-    pids = []
-    for pid in kids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except FileNotFoundError:
-            continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-            pids.append(int(pid))
-    return sorted(pids)
+    return spawned_rank_pids(parent)
 
 
 @pytest.mark.multirank

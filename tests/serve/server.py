@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 
+from headmoe.testing import spawned_rank_pids
+
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 START_TIMEOUT_S = 180
 REQUEST = {
@@ -58,16 +60,7 @@ class Server:
 
     def worker_pids(self) -> list[int]:
         """The spawned rank processes, in start order (rank order)."""
-        kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        pids = []
-        for pid in kids:
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except FileNotFoundError:
-                continue
-            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
-                pids.append(int(pid))
-        return sorted(pids)
+        return spawned_rank_pids(self.proc.pid)
 
     def wait(self, timeout: float) -> int:
         code = self.proc.wait(timeout=timeout)

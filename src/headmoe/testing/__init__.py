@@ -1,5 +1,5 @@
 """Test support shipped with the package (so spawned ranks can import it)."""
 
-from headmoe.testing.multirank import RankFailure, RankTimeout, run_ranks
+from headmoe.testing.multirank import RankFailure, RankTimeout, run_ranks, spawned_rank_pids
 
-__all__ = ["RankFailure", "RankTimeout", "run_ranks"]
+__all__ = ["RankFailure", "RankTimeout", "run_ranks", "spawned_rank_pids"]

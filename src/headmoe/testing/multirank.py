@@ -22,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -173,3 +174,18 @@ def _reap(procs: list, init_file: str, tmpdir: str) -> None:
             remove(path)
         except OSError:
             pass
+
+
+def spawned_rank_pids(parent: int) -> list[int]:
+    """The spawned rank processes directly under process `parent` (a launcher), sorted by
+    pid (start order); Linux only (reads /proc). For tests that stop or kill one rank."""
+    kids = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    pids = []
+    for pid in kids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            pids.append(int(pid))
+    return sorted(pids)
