@@ -84,7 +84,10 @@ def test_killed_rank_ends_the_server_naming_it(tmp_path, tiny_cache):
         code = srv.wait(timeout=60)
         assert code == 1 and time.monotonic() - t0 < 30, srv.log()
         lines = srv.err.decode().splitlines()
-        assert "headmoe serve: rank 1 died (killed by signal 9); the server stopped" in lines
+        # under load rank 0 may still be unwinding when the grace period ends; the line then
+        # also names it as killed, but the culprit named first is always the killed rank
+        died = [x for x in lines if x.startswith("headmoe serve: rank 1 died (killed by signal 9)")]
+        assert len(died) == 1 and died[0].endswith("the server stopped"), srv.log()
         assert not list(srv.output_dir.glob(f"{vid}*"))
     finally:
         srv.stop()

@@ -30,7 +30,7 @@ from headmoe.serve.spec import ServeSpec
 #: seconds between looks at the ranks
 POLL_S = 0.1
 #: seconds the others get to exit after one rank failed
-FAILURE_GRACE_S = 2.0
+FAILURE_GRACE_S = 5.0
 
 
 def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, errors: str) -> None:
