@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -360,7 +362,6 @@ def test_plan_suggests_memory_gib_when_nothing_fits(capsys):
 
 
 def test_plan_4096_ranks_in_seconds(capsys):
-    import time
 
     t0 = time.perf_counter()
     assert main(["plan", "--world-size", "4096", "--json"]) == 0
@@ -430,15 +431,23 @@ def test_nan_weight_fails_the_run_not_a_black_mp4(tmp_path, cache, tiny_tensors,
     assert not out.exists()
 
 
-def _rank_pids(parent: int) -> list[int]:
-    return spawned_rank_pids(parent)
+def _read_until_step(proc: subprocess.Popen, mark: bytes) -> tuple[bytearray, threading.Thread]:
+    """Collect `proc`'s stderr in a thread; return once `mark` (a progress-bar step) shows,
+    the process ends, or 240 s pass."""
+    err = bytearray()
+    reader = threading.Thread(
+        target=lambda: [err.extend(c) for c in iter(lambda: proc.stderr.read1(4096), b"")],
+        daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while mark not in err and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return err, reader
 
 
 @pytest.mark.multirank
 def test_stopped_rank_is_named_within_the_timeout(tmp_path, cache):
     import signal
-    import threading
-    import time
 
     out = tmp_path / "hung.mp4"
     timeout = 15
@@ -447,15 +456,8 @@ def test_stopped_rank_is_named_within_the_timeout(tmp_path, cache):
            "--timeout", str(timeout)]
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    err = bytearray()
-    reader = threading.Thread(
-        target=lambda: [err.extend(c) for c in iter(lambda: proc.stderr.read1(4096), b"")],
-        daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 240
-    while b" 2/50 " not in err and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    victims = _rank_pids(proc.pid)
+    err, reader = _read_until_step(proc, b" 2/50 ")
+    victims = spawned_rank_pids(proc.pid)
     assert proc.poll() is None and len(victims) == 2, err.decode(errors="replace")
     os.kill(victims[1], signal.SIGSTOP)
     t0 = time.monotonic()
@@ -481,8 +483,6 @@ def test_stopped_rank_is_named_within_the_timeout(tmp_path, cache):
 @pytest.mark.multirank
 def test_ctrl_c_stops_a_multirank_run_within_seconds(tmp_path, cache):
     import signal
-    import threading
-    import time
 
     out = tmp_path / "int.mp4"
     cmd = [HEADMOE, "generate", "--prompt", "x", "--nproc", "2", "--ulysses-degree", "2",
@@ -490,14 +490,7 @@ def test_ctrl_c_stops_a_multirank_run_within_seconds(tmp_path, cache):
     env = {**os.environ, "PYTHONPATH": SRC}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             start_new_session=True)
-    err = bytearray()
-    reader = threading.Thread(
-        target=lambda: [err.extend(c) for c in iter(lambda: proc.stderr.read1(4096), b"")],
-        daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 240
-    while b" 2/50 " not in err and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    err, reader = _read_until_step(proc, b" 2/50 ")
     assert proc.poll() is None, err.decode(errors="replace")
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
     t0 = time.monotonic()

@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
         description="Load the model once on every rank and serve /v1/videos over HTTP.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default="tiny", help="'tiny' or a checkpoint path")
+    p.add_argument("--model", default="tiny", help="'tiny', a release folder or a checkpoint path")
     p.add_argument("--model-config", default=None, help="preset of a checkpoint without config.json")
     p.add_argument("--cache-dir", default="~/.cache/headmoe", help="where 'tiny' is written once")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
