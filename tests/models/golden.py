@@ -1,4 +1,4 @@
-"""Readers of the golden MAGI-2 tensors (../shared/golden/magi2, MAGI2.md section 8).
+"""Readers of the golden MAGI-2 tensors (golden/magi2 in this repository, a copy of the released model run unmodified; MAGI2.md section 8).
 
 Missing golden files make the tests fail (FileNotFoundError), never skip."""
 
@@ -11,8 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from headmoe.models.magi2 import BranchInput, Magi2Config
+from tests.goldens import ROOT as GOLDEN_ROOT
 
-GOLDEN = Path(__file__).resolve().parents[2] / ".." / "shared" / "golden" / "magi2"
+GOLDEN = GOLDEN_ROOT / "magi2"
 CASES = ("single_t600", "single_t200_one_text_token", "cfg_t850")
 #: the bar of the golden tests (max abs, fp32; MAGI2.md section 8)
 TOL = 1e-4

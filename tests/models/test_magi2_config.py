@@ -2,7 +2,6 @@
 tensor list of MAGI-2 Preview on the meta device."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from headmoe.models.magi2 import (
     parameter_count,
     validate_parallel,
 )
+from tests.goldens import ROOT as GOLDEN_ROOT
 
-GOLDEN = Path(__file__).resolve().parents[2] / ".." / "shared" / "golden" / "magi2"
+GOLDEN = GOLDEN_ROOT / "magi2"
 #: every value of MAGI-2 Preview's released transformer (MAGI2.md section 1)
 PREVIEW_PARAMS = 113_934_953_536
 

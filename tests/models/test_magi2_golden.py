@@ -1,5 +1,5 @@
 """headmoe's MAGI-2 transformer against the golden tensors of a public implementation of
-the released model (../shared/golden/magi2): packing, rotary table, every layer's state and
+the released model (golden/magi2): packing, rotary table, every layer's state and
 the outputs, on one rank and in multi-rank layouts (fp32, 1e-4 max abs), and the multi-rank
 layouts bit-identical to headmoe's one-rank forward."""
 

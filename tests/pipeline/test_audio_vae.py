@@ -1,4 +1,4 @@
-"""Stable-Audio-Open VAE decoder (diffusers Oobleck) against shared/golden/stable_audio_vae."""
+"""Stable-Audio-Open VAE decoder (diffusers Oobleck) against golden/stable_audio_vae."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TurboV3 decoder against shared/golden/turbo_vae (reference: SandAI's TurboVAED)."""
+"""TurboV3 decoder against golden/turbo_vae (reference: SandAI's TurboVAED)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Wan2.2 VAE (original .pth layout -> diffusers AutoencoderKLWan) against shared/golden/wan22_vae."""
+"""Wan2.2 VAE (original .pth layout -> diffusers AutoencoderKLWan) against golden/wan22_vae."""
 
 from __future__ import annotations
 
