@@ -111,8 +111,10 @@ def time_sinusoid(timestep: torch.Tensor, dim: int = 64) -> torch.Tensor:
     return torch.cat([arg.cos(), arg.sin()], dim=-1)
 
 
-def _branch_coords(t_lat: int, h_lat: int, w_lat: int, n_audio: int, n_text: int
-                   ) -> torch.Tensor:
+def branch_coords(t_lat: int, h_lat: int, w_lat: int, n_audio: int, n_text: int
+                  ) -> torch.Tensor:
+    """`[T, 9]` fp32 coordinates of one branch's `[video (raster) | audio | text]` rows
+    (the module table's `coords`; the refiner uses the same rule)."""
     grid = torch.stack(
         torch.meshgrid(torch.arange(t_lat), torch.arange(h_lat), torch.arange(w_lat),
                        indexing="ij"), dim=-1,
@@ -172,7 +174,7 @@ def pack_branches(branches: Sequence[BranchInput], config: Magi2Config) -> Packe
             mods.append(torch.full((part.shape[0],), m, dtype=torch.int64))
             tau = (br.t_video, br.t_audio, 0.0)[m]
             times.append(torch.full((part.shape[0],), float(1000.0 * tau), dtype=torch.float32))
-        coords.append(_branch_coords(t_lat, h_lat, w_lat, br.audio.shape[0], br.text.shape[0]))
+        coords.append(branch_coords(t_lat, h_lat, w_lat, br.audio.shape[0], br.text.shape[0]))
         cu.append(cu[-1] + branch_length(br))
     return PackedInputs(
         x=torch.cat(xs), coords=torch.cat(coords), modality=torch.cat(mods),
