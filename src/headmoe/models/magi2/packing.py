@@ -123,8 +123,10 @@ def time_sinusoid(timestep: torch.Tensor, dim: int = 64) -> torch.Tensor:
     return torch.cat([arg.cos(), arg.sin()], dim=-1)
 
 
-def _branch_coords(t_lat: int, h_lat: int, w_lat: int, n_audio: int, n_text: int
-                   ) -> torch.Tensor:
+def branch_coords(t_lat: int, h_lat: int, w_lat: int, n_audio: int, n_text: int
+                  ) -> torch.Tensor:
+    """`[T, 9]` fp32 coordinates of one branch's `[video (raster) | audio | text]` rows
+    (the module table's `coords`; the refiner uses the same rule)."""
     grid = torch.stack(
         torch.meshgrid(torch.arange(t_lat), torch.arange(h_lat), torch.arange(w_lat),
                        indexing="ij"), dim=-1,
@@ -222,7 +224,7 @@ def pack_branches(branches: Sequence[BranchInput], config: Magi2Config) -> Packe
             xs.append(torch.nn.functional.pad(part.detach().cpu(), (0, width - part.shape[1])))
             mods.append(torch.full((part.shape[0],), m, dtype=torch.int64))
             times.append(torch.full((part.shape[0],), float(1000.0 * tau), dtype=torch.float32))
-        coords.append(_branch_coords(t_lat, h_lat, w_lat, br.audio.shape[0], br.text.shape[0]))
+        coords.append(branch_coords(t_lat, h_lat, w_lat, br.audio.shape[0], br.text.shape[0]))
         if br.image is not None:
             coords.append(_image_coords(t_lat, *br.image.shape[:2]))
         cu.append(cu[-1] + branch_length(br))
