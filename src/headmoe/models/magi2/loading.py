@@ -127,19 +127,22 @@ def check_checkpoint(
     Returns (model name -> (file, shape, stored dtype), report). Raises `ValueError` naming
     every missing, unexpected, mis-shaped and non-float tensor (expected shape and dtype,
     found), or the unreadable file."""
-    return check_headers(checkpoint_spec(config), path, param_dtype, f"model config {config.name!r}")
+    path = os.fspath(path)
+    found = _strip_prefix(path, _headers(path))
+    _check_layer_count(config, path, found[1])  # before a skeleton of num_layers is built
+    return check_headers(checkpoint_spec(config), path, param_dtype,
+                         f"model config {config.name!r}", found)
 
 
 def check_headers(
     spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike,
-    param_dtype: torch.dtype | None, what: str,
+    param_dtype: torch.dtype | None, what: str, found: tuple[str, dict] | None = None,
 ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
     """`check_checkpoint` against any tensor `spec` (name -> (shape, dtype)); `what` names
-    the model in the error ("model config 'tiny'")."""
+    the model in the error ("model config 'tiny'"); `found`: the (prefix, headers) already
+    read."""
     path = os.fspath(path)
-    prefix, headers = _strip_prefix(path, _headers(path))
-    _check_layer_count(config, path, headers)  # before a skeleton of num_layers is built
-    spec = checkpoint_spec(config)
+    prefix, headers = found or _strip_prefix(path, _headers(path))
     report = LoadReport(prefix=prefix)
     problems = []
     missing = [n for n in spec if n not in headers]
