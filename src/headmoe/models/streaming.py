@@ -29,12 +29,13 @@ without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -418,6 +419,15 @@ class LayerStreamer:
         return lambda module, args, output: self._release(index)
 
     # ------------------------------------------------------------------ inspection
+    @contextlib.contextmanager
+    def use(self, index: int) -> Iterator[nn.Module]:
+        """Layer `index` with its weights bound (as while it runs), released on exit."""
+        self._acquire(index)
+        try:
+            yield self.layers[index]
+        finally:
+            self._release(index)
+
     def materialised(self) -> list[int]:
         """Layer indices whose weights the slots hold now (at most `slots`)."""
         return [i for i in self.content if i is not None]

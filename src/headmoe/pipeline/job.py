@@ -282,6 +282,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "layout": {**job.parallel.to_dict(), "world_size": ctx.world_size,
                    "resolved_expert_parallel_size": topo.expert_parallel_size,
                    "ep_replicas": topo.ep_replicas, "dp_index": coords.dp,
+                   "offload_layers": job.offload_layers, "resident_layers": job.resident_layers,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
         "media": {"frames": list(frames.shape), "fps": req.fps,

@@ -35,6 +35,7 @@ from headmoe.models.streaming import (
     LayerStreamer,
     MappedCheckpoint,
     TensorRead,
+    check_slots,
     materialise_except,
     split_layers,
 )
@@ -272,6 +273,7 @@ def stream_layers(
     first; refuses a bad `resident_layers` / `slots` before anything is allocated."""
     path = os.fspath(path)
     resident, streamed = split_layers(config.num_layers, resident_layers)
+    check_slots(slots)
     headers, report = check_checkpoint(config, path, dtype)
     with torch.device("meta"):
         model = Magi2Transformer(config, context, dtype=dtype)
