@@ -151,8 +151,16 @@ def check_checkpoint(
     Returns (model name -> (file, shape, stored dtype), report). Raises `ValueError` naming
     every missing, unexpected, mis-shaped and non-float tensor (expected shape and dtype,
     found), or the unreadable file."""
+    return check_headers(checkpoint_spec(config), path, param_dtype, f"model config {config.name!r}")
+
+
+def check_headers(
+    spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike,
+    param_dtype: torch.dtype | None, what: str,
+) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
+    """`check_checkpoint` against any tensor `spec` (name -> (shape, dtype)); `what` names
+    the model in the error ("model config 'tiny'")."""
     path = os.fspath(path)
-    spec = checkpoint_spec(config)
     prefix, headers = _strip_prefix(path, _headers(path))
     report = LoadReport(prefix=prefix)
     problems = []
@@ -181,8 +189,7 @@ def check_checkpoint(
     if bad_dtype:
         problems.append(_listing("tensors of a non-float dtype", bad_dtype))
     if problems:
-        raise ValueError(f"checkpoint {path!r} does not match model config "
-                         f"{config.name!r}: " + "; ".join(problems))
+        raise ValueError(f"checkpoint {path!r} does not match {what}: " + "; ".join(problems))
     return headers, report
 
 
@@ -335,14 +342,21 @@ def write_random_checkpoint(
     max_shard_bytes: int = 1 << 30,
 ) -> None:
     """Write deterministic random weights for `config` under the released names and dtypes
-    (same `seed`, same values).
+    (same `seed`, same values); see `write_random_tensors`."""
+    write_random_tensors(checkpoint_spec(config), path, seed, max_shard_bytes=max_shard_bytes)
+
+
+def write_random_tensors(
+    spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike,
+    seed: int = 0, *, max_shard_bytes: int = 1 << 30,
+) -> None:
+    """Write deterministic random tensors of `spec` (name -> (shape, dtype)).
 
     `path` ending in `.safetensors.index.json` writes shards of at most `max_shard_bytes`
     (a larger tensor gets a shard of its own) named `<stem>-00001-of-0000N.safetensors`
     next to an index `{"metadata": {"total_size": bytes}, "weight_map": {name: file}}`, one
     shard in memory at a time; any other path writes one safetensors file."""
     path = os.fspath(path)
-    spec = checkpoint_spec(config)
     if not path.endswith(INDEX_SUFFIX):
         save_file(_random_tensors(spec, list(spec), seed), path)
         return
