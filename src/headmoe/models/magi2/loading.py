@@ -19,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -29,7 +31,18 @@ from headmoe.files import index_map, listing
 from headmoe.layers.rope import default_bands
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.models.magi2.model import Magi2Transformer
+from headmoe.models.streaming import (
+    DEFAULT_SLOTS,
+    FLOAT_DTYPES,
+    LayerStreamer,
+    MappedCheckpoint,
+    TensorRead,
+    check_slots,
+    materialise_except,
+    split_layers,
+)
 from headmoe.moe import MultiHeadMoE, read_moe_rows
+from headmoe.moe.checkpoint import MOE_ROW_TENSORS
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MOE_MARKER = ".mlp.moe_mlp."
@@ -37,8 +50,6 @@ PREFIX = "transformer."
 #: name prefix of transformer layer ``i``'s tensors: ``block.layers.<i>.``
 LAYER_PREFIX = "block.layers."
 _LAYER = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.")
-#: safetensors header dtype names of the float types a checkpoint may use
-FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in FLOAT_DTYPES.items()}
 
 
@@ -176,7 +187,8 @@ def check_headers(
 
 # ---------------------------------------------------------------------- loading
 def load_checkpoint(
-    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30
+    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30,
+    skip: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`.
 
@@ -184,7 +196,8 @@ def load_checkpoint(
     (`read_moe_rows`: its EP shard's heads, padded heads stay zero) and the full other
     tensors, cast to the parameter's dtype, copied into the model in batches of about
     `max_batch_bytes` (the host holds one batch, not a rank's state). The router biases go
-    last, in one batch, so that `bias_from_ema` sees both of each layer."""
+    last, in one batch, so that `bias_from_ema` sees both of each layer. Names for which
+    `skip(name)` is true are neither read nor loaded (the streamed layers)."""
     path = os.fspath(path)
     cfg = model.config
     headers, report = check_checkpoint(cfg, path, model.dtype)
@@ -194,7 +207,8 @@ def load_checkpoint(
     shard = shards.pop() if shards else None
     by_file: dict[str, list[str]] = {}
     for name in local:
-        by_file.setdefault(headers[name][0], []).append(name)
+        if skip is None or not skip(name):
+            by_file.setdefault(headers[name][0], []).append(name)
     batch: dict[str, torch.Tensor] = {}
     biases: dict[str, torch.Tensor] = {}
     held = 0
@@ -219,6 +233,57 @@ def load_checkpoint(
     _flush(model, batch)
     _flush(model, biases)
     return report
+
+
+# ---------------------------------------------------------------------- streamed layers
+def layer_reads(model: Magi2Transformer, layer_id: int, prefix: str = "") -> list[TensorRead]:
+    """The `TensorRead`s of `block.layers.{layer_id}` on this rank: every parameter and
+    buffer; the MoE row tensors read the rows of this rank's head shard only, and each local
+    tensor reads the stored tensor whose values it takes (`MultiHeadMoE.source_name`)."""
+    layer = model.block.layers[layer_id]
+    base = f"{prefix}block.layers.{layer_id}."
+    moe = next((m for m in layer.modules() if isinstance(m, MultiHeadMoE)), None)
+    at = next((n for n, m in layer.named_modules() if m is moe), None)
+    reads = []
+    for name, _ in [*layer.named_parameters(), *layer.named_buffers()]:
+        key, rows = name, None
+        if moe is not None and name.startswith(at + "."):
+            local = name[len(at) + 1 :]
+            key = f"{at}.{moe.source_name(local)}"
+            if local in MOE_ROW_TENSORS:
+                rows = (moe.row_start, moe.row_stop)
+        reads.append(TensorRead(name, base + key, rows))
+    return reads
+
+
+def _layer_id(name: str) -> int | None:
+    """i of a `block.layers.{i}.` tensor name (None for other names)."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["block", "layers"] and parts[2].isdigit() else None
+
+
+def stream_layers(
+    config: Magi2Config, context: Any, dtype: torch.dtype, path: str | os.PathLike, *,
+    resident_layers: int = 0, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
+) -> tuple[Magi2Transformer, LayerStreamer]:
+    """A `Magi2Transformer` on `context.device` whose layers after the first
+    `resident_layers` stream from `path` through `slots` slot buffers (`headmoe.models.
+    streaming`); everything else is loaded once (`load_checkpoint`). Checks every header
+    first; refuses a bad `resident_layers` / `slots` before anything is allocated."""
+    path = os.fspath(path)
+    resident, streamed = split_layers(config.num_layers, resident_layers)
+    check_slots(slots)
+    headers, report = check_checkpoint(config, path, dtype)
+    with torch.device("meta"):
+        model = Magi2Transformer(config, context, dtype=dtype)
+    layers = model.block.layers
+    materialise_except(model, [layers[i] for i in streamed], context.device)
+    load_checkpoint(model, path, skip=lambda n: _layer_id(n) in streamed)
+    source = MappedCheckpoint({report.prefix + n: f for n, (f, _, _) in headers.items()})
+    reads = {i: layer_reads(model, i, report.prefix) for i in streamed}
+    streamer = LayerStreamer(layers, streamed, reads, source, context.device, slots,
+                             counters=context.counters, timeout_s=timeout_s)
+    return model, streamer
 
 
 def _flush(model: Magi2Transformer, tensors: dict[str, torch.Tensor]) -> None:
