@@ -26,6 +26,7 @@ from headmoe.models.magi2 import (
     load_checkpoint,
     write_random_checkpoint,
 )
+from headmoe.models.magi2.loading import stream_layers
 from headmoe.models.refiner import Magi2Refiner, load_refiner
 from headmoe.pipeline import placement
 from headmoe.pipeline.encoders import (
@@ -58,14 +59,21 @@ class Magi2Denoiser:
 
 
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
-    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded, and either
+    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
+    ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
     each node's first rank, decoders on the output rank) or the stand-in text encoder and
     decoders sized to the model's channels."""
     cfg = job.model_config
-    with torch.device(ctx.device):  # allocate the weights where they run, not on the host
-        model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
-    load_checkpoint(model, job.checkpoint)
+    if job.offload_layers:  # the layers' weights stream from the checkpoint's files
+        model, streamer = stream_layers(
+            cfg, ctx, job.request.torch_dtype, job.checkpoint,
+            resident_layers=job.resident_layers, timeout_s=job.timeout_s)
+        model.streamer = streamer  # lives (and streams) as long as the model
+    else:
+        with torch.device(ctx.device):  # allocate the weights where they run, not on the host
+            model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
+        load_checkpoint(model, job.checkpoint)
     model.eval()
     if job.check_layers:
         watch_layers(model)
@@ -76,7 +84,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
             placement.node_text_encoder(ctx, job.release, timeout),
             placement.output_video_decoder(ctx, job.release),
             placement.output_audio_decoder(ctx, job.release),
-            refiner_component(ctx, job, model) if job.refiner is not None else None,
+            refiner_component(ctx, job, None if job.offload_layers else model)
+            if job.refiner is not None else None,
         )
     return Components(
         Magi2Denoiser(model),
@@ -89,7 +98,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
 def refiner_component(ctx: ParallelContext, job: GenerateJob, preview: Any) -> Refiner:
     """The release's refiner (``refiner/``) on ``ctx``'s SP groups, in the request's dtype,
     loaded on the device, or on the host with ``--offload`` (`Refiner` moves it to the
-    device for the stage and the preview transformer to the host meanwhile)."""
+    device for the stage and ``preview``, the resident preview transformer or None when its
+    layers stream, to the host meanwhile)."""
     release = job.release
     if release.refiner is None:
         raise ValueError(f"refiner_height / refiner_width need a release folder with "

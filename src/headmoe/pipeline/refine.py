@@ -141,24 +141,27 @@ class RefinerStage:
 class Refiner:
     """The refiner model of a job on one rank and where its weights live: on the device,
     or (``offload`` on a GPU) on the host except while `active` runs the stage, which moves
-    the preview transformer (``idle``) to the host for that time."""
+    the preview transformer (``idle``, None: nothing to move) to the host for that time."""
 
-    def __init__(self, model: Magi2Refiner, idle: torch.nn.Module, device: torch.device,
-                 offload: bool):
+    def __init__(self, model: Magi2Refiner, idle: torch.nn.Module | None,
+                 device: torch.device, offload: bool):
         self.model, self.idle, self.device = model, idle, device
         self.offload = offload and device.type != "cpu"
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Magi2Refiner]:
+        moves = self.offload and self.idle is not None
         if self.offload:
-            self.idle.to("cpu")
+            if moves:
+                self.idle.to("cpu")
             self.model.to(self.device)
         try:
             yield self.model
         finally:
             if self.offload:
                 self.model.to("cpu")
-                self.idle.to(self.device)
+                if moves:
+                    self.idle.to(self.device)
 
 
 def refiner_predict(ctx: ParallelContext, model: Magi2Refiner, texts: list[torch.Tensor]
