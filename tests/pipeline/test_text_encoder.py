@@ -153,8 +153,8 @@ def test_problems_named_before_loading(folder, tmp_path):
     with pytest.raises(ValueError) as err:
         te.Qwen35TextEncoder.from_folder(_copy(folder, tmp_path, break_))
     msg = str(err.value)
-    assert "missing tensors (1): layers.4.mlp.down_proj.weight" in msg
-    assert "unexpected tensors (1): extra.weight" in msg
+    assert "1 missing tensors: layers.4.mlp.down_proj.weight" in msg
+    assert "1 unexpected tensors: extra.weight" in msg
     assert "layers.0.mlp.up_proj.weight: expected [128, 64], found [3, 3]" in msg
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match="file .config.json. is missing"):
         te.Qwen35TextEncoder.from_folder(tmp_path)

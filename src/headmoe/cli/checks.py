@@ -140,9 +140,10 @@ def check_output(output: Path, overwrite: bool, dp_size: int) -> None:
 def check_memory(args: argparse.Namespace, model: Any, request: Any, parallel: Any,
                  world: int) -> None:
     """Refuse a request whose per-rank memory estimate exceeds the limit (see
-    `headmoe.planner.memory`)."""
+    `headmoe.planner.memory`; with ``--offload-layers`` the streamed estimate)."""
     import torch
 
+    from headmoe.cli.plan import stream_settings
     from headmoe.planner.memory import check_fits, estimate_memory, memory_limit
     from headmoe.planner.request import RequestShape
 
@@ -151,7 +152,7 @@ def check_memory(args: argparse.Namespace, model: Any, request: Any, parallel: A
         fps=request.fps, text_tokens=256, uncond_text_tokens=256)
     est = estimate_memory(model, shape, parallel, request.torch_dtype,
                           (request.num_frames, request.height, request.width),
-                          request.audio_samples(44100))
+                          request.audio_samples(44100), stream=stream_settings(args, model.num_layers))
     if args.max_memory_gib is not None:
         limit, source = int(args.max_memory_gib * GIB), "--max-memory-gib"
     else:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.cli import checks
+from headmoe.cli.plan import add_stream_arguments
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
@@ -49,6 +50,8 @@ FLAGS: dict[str, str] = {
             "timeout",
             "video_decoder",
             "offload",
+            "offload_layers",
+            "resident_layers",
         )
     },
     "world_size": "--nproc",
@@ -80,7 +83,8 @@ def register(subparsers: Any) -> None:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --model-config, --video-decoder, --offload, --cache-dir."""
+    """--model, --model-config, --video-decoder, --offload, --offload-layers,
+    --resident-layers, --cache-dir."""
     p.add_argument(
         "--model",
         default="tiny",
@@ -107,6 +111,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="release folders: keep the text encoder and decoders on the host between uses "
         "(moved to the device only while they run)",
     )
+    add_stream_arguments(p)
     p.add_argument(
         "--cache-dir",
         default="~/.cache/headmoe",
@@ -247,6 +252,8 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         check_layers=getattr(args, "debug", False),
+        offload_layers=getattr(args, "offload_layers", False),
+        resident_layers=getattr(args, "resident_layers", 0),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
         release=release,
     )

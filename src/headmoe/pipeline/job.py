@@ -42,6 +42,7 @@ from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput
+from headmoe.models.streaming import split_layers
 from headmoe.pipeline.encoders import Components, TextEncoder
 from headmoe.pipeline.health import (
     check_media,
@@ -85,11 +86,19 @@ class GenerateJob:
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False
     """Check every transformer layer's output for NaN/Inf (``--debug``)."""
+    offload_layers: bool = False
+    """Stream the transformer's layer weights from the checkpoint (``--offload-layers``,
+    `headmoe.models.streaming`); the first ``resident_layers`` layers stay resident."""
+    resident_layers: int = 0
 
     def __post_init__(self) -> None:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
+        if self.offload_layers:
+            split_layers(self.model_config.num_layers, self.resident_layers)
+        elif self.resident_layers:
+            raise ValueError(f"resident_layers={self.resident_layers!r} needs offload_layers")
 
 
 def encode_prompts(
@@ -293,6 +302,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "layout": {**job.parallel.to_dict(), "world_size": ctx.world_size,
                    "resolved_expert_parallel_size": topo.expert_parallel_size,
                    "ep_replicas": topo.ep_replicas, "dp_index": coords.dp,
+                   "offload_layers": job.offload_layers, "resident_layers": job.resident_layers,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
         "media": {"frames": list(frames.shape), "fps": req.fps,
