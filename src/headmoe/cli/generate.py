@@ -31,7 +31,7 @@ from headmoe.errors import UserError
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.release import VIDEO_DECODERS
-from headmoe.pipeline.request import DTYPES, GenerateRequest
+from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
 _REQ_DEFAULTS = {f.name: f.default for f in fields(GenerateRequest)}
@@ -188,8 +188,14 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--audio-guidance-scale", type=float, default=d["audio_guidance_scale"])
     p.add_argument("--shift", type=float, default=d["shift"], help="flow-matching time shift")
-    p.add_argument("--sampler", choices=SAMPLERS, default=d["sampler"])
+    p.add_argument("--sampler", choices=SAMPLERS, default=d["sampler"],
+                   help="the released UniPC scheduler (docs/pipeline.md section 3)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d["dtype"])
+    p.add_argument(
+        "--noise-device", choices=NOISE_DEVICES, default=d["noise_device"],
+        help="generator of the initial noise: cpu gives the same bytes on every layout and "
+        "machine; cuda draws on the GPU as the reference does (values depend on the GPU model)",
+    )
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
@@ -264,6 +270,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
                 f"{parallel.data_parallel_size} = {parallel.world_size}"
             )
         plan_topology(world, parallel)
+        checks.check_noise_device(request.noise_device)
         if args.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {args.timeout!r}")
         output = Path(args.output)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from headmoe.config import check_positive_int, is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
-from headmoe.pipeline.sampler import UniPCSampler, cfg_combine, flow_sigmas
+from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
 
 #: the refiner's released evaluation fields (REFINER.md section 2)
 REFINER_STEPS = 5
@@ -81,9 +81,15 @@ def renoise(upsampled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return upsampled * s + noise * (1 - s**2) ** 0.5
 
 
+def refiner_schedule(steps: int = REFINER_STEPS) -> Schedule:
+    """The refiner's schedule: the released one with `steps` steps at shift 5 (timesteps
+    999, 952, 882, 768, 555 for 5 steps)."""
+    return released_schedule(steps, REFINER_SHIFT)
+
+
 def refiner_sampler(steps: int = REFINER_STEPS) -> UniPCSampler:
-    """A fresh flow-UniPC sampler over the refiner's schedule (`steps` at shift 5)."""
-    return UniPCSampler(flow_sigmas(steps, REFINER_SHIFT))
+    """A fresh released flow-UniPC sampler over `refiner_schedule`."""
+    return UniPCSampler(refiner_schedule(steps))
 
 
 #: `predict(x)` -> (v_cond, v_uncond): the two refiner forwards of one step, fp32, x's shape
@@ -188,15 +194,16 @@ def refine_stage(
 ) -> tuple[torch.Tensor, list[float]]:
     """The refiner stage on one rank: the preview's final video latent `[T, H, W, C]` ->
     the refined latent `[2T - 1, height // 16, width // 16, C]` fp32 on its device, and the
-    step times. The noise `[C, 2T - 1, H', W']` is the next draw of `generator` (the
-    request's, after the preview's noise), on the host; texts: prompt and negative-prompt
+    step times. The noise `[1, C, 2T - 1, H', W']` is the next draw of `generator` (the
+    request's, after the preview's noise, on its device); texts: prompt and negative-prompt
     features `[L, C_t]`. Identical inputs on every rank give identical bits."""
     thw = refiner_latent_thw(preview.shape[0], height, width)
     if min(thw) < 1:
         raise ValueError(f"refiner latent {thw} for refiner size {height}x{width} is empty; "
                          f"refiner height and width must be at least {REFINER_SPATIAL_STRIDE}")
     up = upsample_preview(preview.permute(3, 0, 1, 2), thw)
-    noise = torch.randn(tuple(up.shape), generator=generator).to(up.device)
+    noise = torch.randn((1, *up.shape), generator=generator, device=generator.device)
+    noise = noise[0].to(up.device)
     x = renoise(up, noise)
     x, times = refine_latent(refiner_predict(ctx, model, texts), x, refiner_sampler(steps),
                              steps, REFINER_GUIDANCE, on_step)
