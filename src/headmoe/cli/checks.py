@@ -141,10 +141,8 @@ def check_memory(args: argparse.Namespace, model: Any, request: Any, parallel: A
                  world: int) -> None:
     """Refuse a request whose per-rank memory estimate exceeds the limit (see
     `headmoe.planner.memory`; with ``--offload-layers`` the streamed estimate)."""
-    import torch
-
     from headmoe.cli.plan import stream_settings
-    from headmoe.planner.memory import check_fits, estimate_memory, memory_limit
+    from headmoe.planner.memory import check_fits, estimate_memory
     from headmoe.planner.request import RequestShape
 
     shape = RequestShape.from_media(
@@ -153,11 +151,7 @@ def check_memory(args: argparse.Namespace, model: Any, request: Any, parallel: A
     est = estimate_memory(model, shape, parallel, request.torch_dtype,
                           (request.num_frames, request.height, request.width),
                           request.audio_samples(44100), stream=stream_settings(args, model.num_layers))
-    if args.max_memory_gib is not None:
-        limit, source = int(args.max_memory_gib * GIB), "--max-memory-gib"
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        limit, source = memory_limit(local, torch.cuda.is_available())
+    limit, source = memory_budget(args, world)
     what = (f"--model {args.model} (config {getattr(model, 'name', '?')}) at "
             f"{request.num_frames} frames of {request.width}x{request.height}")
     try:
@@ -197,3 +191,50 @@ def scan_weights(checkpoint: str, headers: dict[str, Any], prefix: str) -> None:
         shown = "; ".join(bad[:8]) + (f" ... and {len(bad) - 8} more" if len(bad) > 8 else "")
         raise UserError(f"checkpoint {checkpoint!r} holds non-finite values in {len(bad)} "
                         f"tensor(s): {shown}, replace or repair the checkpoint")
+
+
+def memory_budget(args: argparse.Namespace, world: int) -> tuple[int | None, str]:
+    """(bytes one rank may use, where that comes from): ``--max-memory-gib``, else
+    `memory_limit` for the ranks of this node."""
+    import torch
+
+    from headmoe.planner.memory import memory_limit
+
+    if args.max_memory_gib is not None:
+        return int(args.max_memory_gib * GIB), "--max-memory-gib"
+    return memory_limit(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.is_available())
+
+
+def check_refiner_memory(args: argparse.Namespace, model: Any, request: Any, parallel: Any,
+                         world: int, release: Any, stage: Any) -> None:
+    """Refuse a 1080p request whose busiest phase does not fit: the preview with the
+    refiner's weights beside it, or the refiner stage (`headmoe.planner.refiner`) with the
+    preview's weights and the refined clip's decode; with ``--offload`` the idle stage's
+    weights live on the host."""
+
+    from headmoe.pipeline.video_latents import frame_count
+    from headmoe.planner.memory import MemoryEstimate, check_fits, estimate_memory
+    from headmoe.planner.refiner import refiner_memory
+    from headmoe.planner.request import RequestShape
+
+    shape = RequestShape.from_media(
+        height=request.height, width=request.width, num_frames=request.num_frames,
+        fps=request.fps, text_tokens=256, uncond_text_tokens=256)
+    preview = estimate_memory(model, shape, parallel, request.torch_dtype,
+                              (request.num_frames, request.height, request.width),
+                              request.audio_samples(44100))
+    thw = stage.latent_thw(shape.video_latent[0])
+    ref = refiner_memory(release.refiner_config, thw, 256, parallel, request.torch_dtype)
+    idle = 0 if release.offload else 1
+    frames = frame_count(thw[0]) * stage.height * stage.width * 3 * (4 + 4 + 1)
+    worst = max(
+        MemoryEstimate(preview.weights + idle * ref.weights, preview.activations,
+                       preview.workspace, 0),
+        MemoryEstimate(ref.weights + idle * preview.weights, ref.activations, 0, frames),
+        key=lambda e: e.total)
+    limit, source = memory_budget(args, world)
+    try:
+        check_fits(worst, limit, source, f"the refiner stage at {stage.width}x{stage.height} "
+                   f"(latent {thw[0]}x{thw[1]}x{thw[2]}) with the preview")
+    except ValueError as e:
+        raise UserError(str(e)) from None

@@ -279,6 +279,9 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         checks.check_output(output, args.overwrite, parallel.data_parallel_size)
         model_config, checkpoint, release = _checked_model(args, request, parallel, world)
         refiner = refiner_stage(args, release, parallel)
+        if refiner is not None:
+            checks.check_refiner_memory(args, model_config, request, parallel, world, release,
+                                        refiner)
     except ValueError as exc:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flagify(str(exc))) from None

@@ -125,9 +125,58 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="host-to-device GB/s per GPU the streamed step-time bound assumes (default "
         f"{DEFAULT_H2D_GBPS:g})",
     )
+    p.add_argument("--refiner-height", type=int, default=None,
+                   help="add the 1080p refiner stage at this height in pixels (with "
+                   "--refiner-width; default 1088 when only the width is given)")
+    p.add_argument("--refiner-width", type=int, default=None,
+                   help="refiner width in pixels (default 1920 when only the height is given)")
+    p.add_argument("--refiner-steps", type=int, default=None, help="refiner steps (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
+
+
+def refiner_section(args: argparse.Namespace, request: RequestShape, plans: list[LayoutPlan]
+                    ) -> tuple[dict[str, Any] | None, str]:
+    """The refiner stage of ``plan`` (`headmoe.planner.refiner`): (JSON object, text), or
+    (None, "") without the refiner flags."""
+    from headmoe.models.refiner import get_refiner_config
+    from headmoe.pipeline.refine import RefinerStage
+    from headmoe.planner.refiner import plan_refiner
+
+    given = (args.refiner_height, args.refiner_width, args.refiner_steps)
+    if all(v is None for v in given):
+        return None, ""
+    d = RefinerStage()
+    try:
+        stage = RefinerStage(args.refiner_height or d.height, args.refiner_width or d.width,
+                             d.steps if args.refiner_steps is None else args.refiner_steps)
+    except ValueError as e:
+        raise UserError(f"--{str(e).replace('_', '-', 1)}") from None
+    cfg = get_refiner_config("magi2-refiner")
+    thw = stage.latent_thw(request.video_latent[0])
+    work, rplans = plan_refiner(cfg, thw, request.text_tokens[0], [p.parallel for p in plans],
+                                DTYPES[args.dtype], stage.steps)
+    data = {**stage.to_dict(), "model": cfg.name, "latent": list(thw),
+            "video_tokens": work.video_tokens, "text_tokens": work.text_tokens,
+            "attention_pairs": work.pairs, "video_keys_per_query": work.video_keys_per_query,
+            "dense_fraction": work.dense_fraction, "linear_flop": work.linear_flop,
+            "attention_flop": work.attention_flop, "layouts": [r.to_dict() for r in rplans]}
+    lines = [f"Refiner stage ({cfg.name}, {stage.width}x{stage.height}, latent "
+             f"{thw[0]}x{thw[1]}x{thw[2]}: {work.video_tokens:,} video + {work.text_tokens} "
+             f"text tokens; {stage.steps} steps x 2 forwards): per forward "
+             f"{work.flop / 1e15:.2f} PFLOP (linears {work.linear_flop / 1e15:.2f}, attention "
+             f"{work.attention_flop / 1e15:.2f}: {work.pairs:.4g} pairs, "
+             f"{work.video_keys_per_query:,.1f} video keys per video query, "
+             f"{100 * work.dense_fraction:.2f}% of dense)", "",
+             "| SP | CFG | weights GiB | activations GiB | total GiB | forwards/rank | "
+             "PFLOP/rank |", "|---|---|---|---|---|---|---|"]
+    for r in rplans:
+        m = r.memory
+        lines.append(f"| {r.ulysses_degree} | {r.cfg_parallel_size} | {m.weights / GIB:.2f} | "
+                     f"{m.activations / GIB:.2f} | {m.total / GIB:.2f} | "
+                     f"{r.forwards_per_rank} | {r.flop_per_rank / 1e15:.2f} |")
+    return data, "\n".join(lines)
 
 
 register = add_parser
@@ -242,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
                                parts, args.ranks_per_node, args.offload, stream, args.h2d_gbps)
+    refiner_data, refiner_text = refiner_section(args, request, plans)
     if args.json:
         print(
             json.dumps(
@@ -260,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
                     },
                     "recommendation": reason,
                     "layouts": [p.to_dict() for p in plans],
+                    "refiner": refiner_data,
                 },
                 indent=2,
             )
@@ -281,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
                   "page cache of the checkpoint's streamed bytes the node's ranks read, "
                   "once, plus each rank's pinned slots):\n")
             print(format_stream_table(plans))
+        if refiner_text:
+            print("\n" + refiner_text)
         best = next(p for p in plans if p.recommended)
         if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
             print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
