@@ -20,7 +20,6 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from headmoe.config import ParallelConfig
+from headmoe.config import ParallelConfig, check_positive_number
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
@@ -83,9 +82,7 @@ class GenerateJob:
     """Check every transformer layer's output for NaN/Inf (``--debug``)."""
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
+        check_positive_number("timeout_s", self.timeout_s)
 
 
 def encode_prompts(

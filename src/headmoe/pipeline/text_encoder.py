@@ -123,7 +123,54 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     return model, total
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILE, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+#: the pad token of a folder without tokenizer_config.json (Qwen's)
+DEFAULT_PAD_TOKEN = "<|endoftext|>"
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """The tokenizer of a text-encoder folder, offline, never running the folder's code:
+    ``tokenizer.json`` with ``tokenizer_config.json`` (optional; without it the pad token is
+    `DEFAULT_PAD_TOKEN`). Raises `ValueError` naming the folder when there is no pad token."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = os.fspath(folder)
+    if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
+        raise ValueError(f"text encoder folder {folder!r} has no {TOKENIZER_FILE}")
+    if os.path.isfile(os.path.join(folder, TOKENIZER_CONFIG)):
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                            trust_remote_code=False)
+    else:
+        tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, TOKENIZER_FILE))
+        if DEFAULT_PAD_TOKEN in tok.get_vocab():
+            tok.pad_token = DEFAULT_PAD_TOKEN
+    if tok.pad_token_id is None:
+        raise ValueError(f"text encoder folder {folder!r}: the tokenizer has no pad token")
+    return tok
+
+
+def kept_tokens(tokenizer, text: str, max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
+    """Token ids of ``text`` the encoder keeps (at most ``max_tokens``; "" becomes one pad
+    token) and the count before truncation."""
+    ids = tokenizer(text)["input_ids"]
+    return ids[:max_tokens] or [tokenizer.pad_token_id], len(ids)
+
+
+class TokenCounter:
+    """``count(text) -> int``: the tokens the encoder of ``folder`` keeps of ``text`` (what
+    admission's memory estimate needs; loads only the tokenizer, once, on first use;
+    picklable: the tokenizer is not pickled)."""
+
+    def __init__(self, folder: str | os.PathLike, max_tokens: int = MAX_TOKENS):
+        self.folder, self.max_tokens, self._tok = os.fspath(folder), max_tokens, None
+
+    def __call__(self, text: str) -> int:
+        if self._tok is None:
+            self._tok = load_tokenizer(self.folder)
+        return len(kept_tokens(self._tok, text, self.max_tokens)[0])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tok": None}
 
 
 def model_dtype(folder: str | os.PathLike) -> torch.dtype:
@@ -140,22 +187,20 @@ def model_dtype(folder: str | os.PathLike) -> torch.dtype:
 
 def check_text_encoder(folder: str | os.PathLike) -> int:
     """Check a ``text_encoder/`` folder without reading any weight: ``config.json``, the
-    tokenizer files (`TOKENIZER_FILES`, loaded offline) and every tensor header of the text
+    tokenizer (`load_tokenizer`, offline) and every tensor header of the text
     model (names and shapes, all layers). Returns the feature width (``hidden_size``).
     Raises `ValueError` naming the file or tensors."""
-    from transformers import AutoTokenizer, Qwen3_5TextModel
+    from transformers import Qwen3_5TextModel
 
     folder = os.fspath(folder)
-    for name in ("config.json", *TOKENIZER_FILES):
+    for name in ("config.json", TOKENIZER_FILE):
         if not os.path.isfile(os.path.join(folder, name)):
             raise ValueError(f"text encoder folder {folder!r} has no {name}")
     cfg = _text_config(folder)
     with torch.device("meta"):
         full = Qwen3_5TextModel(cfg)
     _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()})
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    if tok.pad_token_id is None:
-        raise ValueError(f"{folder}: the tokenizer has no pad token")
+    load_tokenizer(folder)
     return int(cfg.hidden_size)
 
 
@@ -185,22 +230,16 @@ class Qwen35TextEncoder:
         and MTP tensors are skipped by name) and the tokenizer files from ``folder``,
         offline. All tensors are checked by name and shape first; the last two decoder
         layers and the final norm are then not read."""
-        from transformers import AutoTokenizer
-
         folder = os.fspath(folder)
         if not os.path.isfile(os.path.join(folder, "config.json")):
             raise ValueError(f"text encoder folder {folder!r} has no config.json")
         model, total = _load_truncated(folder, dtype, device)
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        return cls(model.eval(), tok, total, max_tokens)
+        return cls(model.eval(), load_tokenizer(folder), total, max_tokens)
 
     def tokenize(self, text: str) -> tuple[list[int], int]:
         """Token ids (at most ``max_tokens``; "" becomes one pad token) and the count before
         truncation."""
-        ids = self.tokenizer(text)["input_ids"]
-        count = len(ids)
-        ids = ids[: self.max_tokens] or [self.tokenizer.pad_token_id]
-        return ids, count
+        return kept_tokens(self.tokenizer, text, self.max_tokens)
 
     @torch.no_grad()
     def encode_batch(self, texts: list[str]) -> TextFeatures:
