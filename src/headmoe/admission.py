@@ -91,6 +91,8 @@ class Deployment:
     budget: Budget = UNCHECKED
     describe: str = ""
     """How refusals name the model (e.g. "--model /ckpt (config magi2-preview)")."""
+    stream: Any = None
+    """`headmoe.planner.memory.StreamSettings` with ``--offload-layers``, else None."""
 
     @property
     def recipe(self) -> Recipe:
@@ -312,8 +314,12 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
     shape = request_shape(req, dep.count_tokens)
     samples = req.audio_samples(audio_vae.OUTPUT_SAMPLE_RATE)
     check_seed(req.seed, dep.parallel.data_parallel_size)
+    if req.noise_device == "cuda" and dep.device != "cuda":
+        raise Refusal("noise_device", req.noise_device, "noise_device='cuda' draws the noise "
+                      "on the GPU, but no CUDA device is available here; use "
+                      "noise_device='cpu'")
     est = estimate_memory(dep.model_config, shape, dep.parallel, req.torch_dtype,
-                          (req.num_frames, req.height, req.width), samples)
+                          (req.num_frames, req.height, req.width), samples, stream=dep.stream)
     limit = dep.budget.limit
     if limit is not None and est.total > limit:
         raise Refusal("height,width,num_frames", req.height,

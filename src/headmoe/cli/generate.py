@@ -33,13 +33,14 @@ from headmoe.admission import (
     memory_budget,
 )
 from headmoe.cli import checks
+from headmoe.cli.plan import add_stream_arguments
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import Refusal, UserError
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.release import VIDEO_DECODERS
-from headmoe.pipeline.request import DTYPES
+from headmoe.pipeline.request import DTYPES, NOISE_DEVICES
 from headmoe.pipeline.sampler import SAMPLERS
 
 #: the layout flags are the fields of `ParallelConfig` (dest = field name)
@@ -58,6 +59,8 @@ FLAGS: dict[str, str] = {
             "timeout",
             "video_decoder",
             "offload",
+            "offload_layers",
+            "resident_layers",
         )
     },
     "world_size": "--nproc",
@@ -94,7 +97,8 @@ def register(subparsers: Any) -> None:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --model-config, --video-decoder, --offload, --cache-dir."""
+    """--model, --model-config, --video-decoder, --offload, --offload-layers,
+    --resident-layers, --cache-dir."""
     p.add_argument(
         "--model",
         default="tiny",
@@ -124,6 +128,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="release folders: keep the text encoder and decoders on the host between uses "
         "(moved to the device only while they run)",
     )
+    add_stream_arguments(p)
     p.add_argument(
         "--cache-dir",
         default="~/.cache/headmoe",
@@ -183,10 +188,17 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shift", type=float, default=None,
                    help=f"flow-matching time shift {_both('shift')}")
     p.add_argument("--sampler", choices=SAMPLERS, default=None,
-                   help=f"unipc (the released scheduler) or euler {_both('sampler')}")
+                   help="unipc: the released scheduler (docs/pipeline.md section 3) "
+                   f"{_both('sampler')}")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="transformer dtype (default: fp32 for the tiny release; MAGI-2 "
                    "Preview: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument(
+        "--noise-device", choices=NOISE_DEVICES, default=None,
+        help="generator of the initial noise: cpu gives the same bytes on every layout and "
+        "machine; cuda draws on the GPU as the reference does (values depend on the GPU "
+        f"model) {_both('noise_device')}",
+    )
 
 
 def given_request(args: argparse.Namespace) -> dict[str, Any]:
@@ -309,6 +321,8 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         check_layers=getattr(args, "debug", False),
+        offload_layers=getattr(args, "offload_layers", False),
+        resident_layers=getattr(args, "resident_layers", 0),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else [],
                "admission": admitted.describe()},
         release=release,
@@ -321,6 +335,7 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     """The `Deployment` a request of ``args`` runs on (generate's and serve's): the device
     ranks use, the memory budget (``--max-memory-gib`` or the detected limit), the text
     encoder's token count."""
+    from headmoe.cli.plan import stream_settings
     from headmoe.distributed.context import rank_device
     from headmoe.pipeline.text_encoder import TokenCounter
 
@@ -329,7 +344,8 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     count = TokenCounter(release.text_encoder) if release is not None else None
     name = getattr(model_config, "name", "?")
     return Deployment(model_config, parallel, device, count, budget,
-                      f"--model {args.model} (config {name})")
+                      f"--model {args.model} (config {name})",
+                      stream_settings(args, model_config.num_layers))
 
 
 def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,

@@ -80,9 +80,9 @@ def register(subparsers: Any) -> None:
 #: generate flags a server fixes for every request (its outputs are server-named files),
 #: and the smallest request, admitted at start: the model alone must fit the budget
 GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
-                 "video_decoder": None, "offload": False, "negative_prompt": None,
-                 **{name: None for name in INPUT_FIELDS}, "prompt": "", "height": 16,
-                 "width": 16, "num_frames": 1}
+                 "video_decoder": None, "offload": False, "offload_layers": False,
+                 "resident_layers": 0, **{name: None for name in INPUT_FIELDS}, "prompt": "",
+                 "height": 16, "width": 16, "num_frames": 1}
 
 
 def _check_output_dir(value: str) -> str:

@@ -450,12 +450,37 @@ def ulysses_heads_to_seq(
     return _to_tokens(y.unsqueeze(1), group, layout, Exchange.ULYSSES_OUT, counters, None)[:, 0]
 
 
+def gather_rows(
+    local: Tensor,
+    group: Any,
+    token_counts: tuple[int, ...],
+    *,
+    counters: ExchangeCounters | None = None,
+) -> Tensor:
+    """All-gather of row shards over an SP group: every rank's `[token_counts[r], P]` rows
+    -> the full `[sum(token_counts), P]` in rank order (padded shards, ONE `all_gather`);
+    `local` itself for a world of 1. Records "sp_output_gather"."""
+    sp = len(token_counts)
+    if sp == 1:
+        return local
+    width, rows = local.shape[1], max(token_counts)
+    padded = local.new_zeros((rows, width))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in range(sp)]
+    dist.all_gather(parts, padded, group=group)
+    if counters is not None:
+        moved = (sp - 1) * padded.numel() * padded.element_size()
+        counters.record_exchange(Exchange.SP_OUTPUT_GATHER, moved, moved)
+    return torch.cat([p[:c] for p, c in zip(parts, token_counts)])
+
+
 __all__ = [
     "REPLICA_POLICIES",
     "ExchangeCounters",
     "ExchangeWorkspace",
     "HeadLayout",
     "gather_heads",
+    "gather_rows",
     "replica_token_counts",
     "scatter_heads",
     "ulysses_heads_to_seq",

@@ -8,8 +8,8 @@ defaults (`TINY`: `GenerateRequest`'s own defaults). `recipe_for` picks one by t
 configuration; `headmoe.pipeline.admission` fills every field a request leaves out from it.
 
 Sources: SandAI's MAGI-2 reference inference code and vLLM-Omni's port of it (the preset
-sizes, the 10 s clip, the defaults and the negative prompt text, byte-exact: the golden
-copy ``golden/magi2_pipeline/negative_prompt.txt``).
+sizes and the 10 s clip, MAGI2.md section 6.8); the released values themselves live in
+`headmoe.pipeline.released`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from headmoe.pipeline.released import (
+    RELEASED_AUDIO_GUIDANCE_SCALE,
+    RELEASED_DTYPE,
+    RELEASED_GUIDANCE_SCALE,
+    RELEASED_NEGATIVE_PROMPT,
+    RELEASED_NUM_INFERENCE_STEPS,
+    RELEASED_SEED,
+    RELEASED_SHIFT,
+)
 from headmoe.pipeline.request import GenerateRequest
 
 #: resolution presets: name -> (height, width) of the transformer's video
@@ -26,33 +35,6 @@ RESOLUTIONS: dict[str, tuple[int, int]] = {"272p": (256, 448), "540p": (512, 896
 REFINER_RESOLUTIONS = frozenset({"1080p"})
 #: the released clip: 10 s at 12.5 fps
 RELEASED_SECONDS, RELEASED_FPS = 10.0, 12.5
-
-# The released default negative prompt (1,721 characters).
-RELEASED_NEGATIVE_PROMPT = (
-    'Bright tones, overexposed, static, blurred details, subtitles, style, works, '
-    'paintings, images, static, overall gray, worst quality, low quality, JPEG '
-    'compression residue, ugly, incomplete, extra fingers, poorly drawn hands, poorly '
-    'drawn faces, deformed, disfigured, misshapen limbs, fused fingers, still picture, '
-    'messy background, three legs, many people in the background, walking backwards, low '
-    'quality, worst quality, poor quality, noise, background noise, hiss, hum, buzz, '
-    'crackle, static, compression artifacts, MP3 artifacts, digital clipping, '
-    'distortion, muffled, muddy, unclear, echo, reverb, room echo, over-reverberated, '
-    'hollow sound, distant, washed out, harsh, shrill, piercing, grating, tinny, thin '
-    'sound, boomy, bass-heavy, flat EQ, over-compressed, abrupt cut, jarring transition, '
-    'sudden silence, looping artifact, music, instrumental, sirens, alarms, crowd noise, '
-    'unrelated sound effects, chaotic, disorganized, messy, cheap sound, emotionless, '
-    'flat delivery, deadpan, lifeless, apathetic, robotic, mechanical, monotone, flat '
-    'intonation, undynamic, boring, reading from a script, AI voice, synthetic, '
-    'text-to-speech, TTS, insincere, fake emotion, exaggerated, overly dramatic, '
-    'melodramatic, cheesy, cringey, hesitant, unconfident, tired, weak voice, '
-    'stuttering, stammering, mumbling, slurred speech, mispronounced, bad articulation, '
-    'lisp, vocal fry, creaky voice, mouth clicks, lip smacks, wet mouth sounds, heavy '
-    'breathing, audible inhales, plosives, p-pops, coughing, clearing throat, sneezing, '
-    'speaking too fast, rushed, speaking too slow, dragged out, unnatural pauses, '
-    'awkward silence, choppy, disconnected, multiple speakers, two voices, background '
-    'talking, out of tune, off-key, autotune artifacts'
-)
-
 
 @dataclass(frozen=True)
 class Recipe:
@@ -79,9 +61,11 @@ RELEASED = Recipe(
     "magi2-preview",
     {**_TINY, "negative_prompt": RELEASED_NEGATIVE_PROMPT, "height": RESOLUTIONS["540p"][0],
      "width": RESOLUTIONS["540p"][1], "num_frames": 125, "fps": RELEASED_FPS,
-     "num_inference_steps": 100, "seed": 42, "guidance_scale": 5.0,
-     "audio_guidance_scale": 7.0, "shift": 7.0, "sampler": "unipc", "dtype": "fp32"},
-    cuda_dtype="bf16", resolution="540p", seconds=RELEASED_SECONDS,
+     "num_inference_steps": RELEASED_NUM_INFERENCE_STEPS, "seed": RELEASED_SEED,
+     "guidance_scale": RELEASED_GUIDANCE_SCALE,
+     "audio_guidance_scale": RELEASED_AUDIO_GUIDANCE_SCALE, "shift": RELEASED_SHIFT,
+     "sampler": "unipc", "dtype": "fp32"},
+    cuda_dtype=RELEASED_DTYPE, resolution="540p", seconds=RELEASED_SECONDS,
 )
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headmoe.files import entry_problem
+
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
 MODEL_CONFIG = "config.json"
@@ -119,6 +121,8 @@ def _unreadable(path: Path) -> str | None:
     return None
 
 
+#: files read when present (the published release has neither)
+OPTIONAL_FILES = (f"{PREVIEW_DIR}/{MODEL_CONFIG}", f"{TEXT_ENCODER_DIR}/tokenizer_config.json")
 #: the configuration of a release folder without preview/config.json (the published
 #: release has none: every public loader hard-codes it, MAGI2.md section 7)
 IMPLIED_CONFIG = "magi2-preview"
@@ -153,13 +157,14 @@ def find_release(
     if not base.is_dir():
         raise ValueError(f"model={str(root)!r} is not a release folder")
     files = required_files(video_decoder)
+    files += [rel for rel in OPTIONAL_FILES if os.path.lexists(base / rel)]  # checked alike
     transformer = _transformer_file(base)
     index = base / TEXT_ENCODER_DIR / f"model{INDEX_SUFFIX}"  # else the single file
     files.append(f"{TEXT_ENCODER_DIR}/" + (index.name if index.exists() else "model.safetensors"))
     problems = [] if transformer else [f"{PREVIEW_DIR}/*{INDEX_SUFFIX} (missing)"]
     for rel in ([str(Path(transformer).relative_to(base))] if transformer else []) + files:
-        path = base / rel
-        why = "missing" if not path.is_file() else _unreadable(path)
+        why, real = entry_problem(base, rel)  # confined to the folder, never a FIFO
+        why = why or _unreadable(Path(real))
         if why:
             problems.append(f"{rel} ({why})")
     if problems:

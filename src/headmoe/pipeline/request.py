@@ -25,6 +25,9 @@ from headmoe.pipeline.seeding import SEED_LIMIT
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The transformer dtypes headmoe runs, by name (the one dtype table)."""
+#: where the initial noise is drawn: "cpu" (every layout and device gives the same bytes)
+#: or "cuda" (the reference's CUDA generator: values depend on the GPU model)
+NOISE_DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
 #: headmoe's default negative prompt of the embedded tiny release (our own wording; a
 #: MAGI-2 Preview release uses the released text, `headmoe.pipeline.recipe`)
@@ -114,6 +117,7 @@ FIELD_RULES: dict[str, Callable[[str, Any], Any]] = {
     "shift": _number_in(0.0, MAX_SHIFT, lo_open=True),
     "sampler": _choice(SAMPLERS),
     "dtype": _choice(tuple(DTYPES)),
+    "noise_device": _choice(NOISE_DEVICES),
 }
 
 
@@ -146,6 +150,8 @@ class GenerateRequest:
     dtype: str = "fp32"
     """Dtype of the transformer's linears and experts ("fp32" or "bf16"); latents, sampler
     and decoders are always fp32."""
+    noise_device: str = "cpu"
+    """Generator of the initial noise (`NOISE_DEVICES`)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -5,7 +5,9 @@ The feature is ``hidden_states[-3]`` of the full model, i.e. the output of decod
 ``L - 2`` layers (the last two are never built or loaded) and the final norm is skipped, so
 ``last_hidden_state`` *is* the feature. Prompts are raw text (no chat template), tokenized
 with the tokenizer's defaults, truncated at 7000 tokens, right-padded in batches; features
-come out in the model dtype (bf16 for the release, 5120-d).
+come out in the model dtype (bf16 for the release, 5120-d). Before tokenizing, a JSON prompt
+is rewritten to compact markdown and the tokenizer carries the released extra pre-tokenizer
+split (`headmoe.pipeline.prompts`), as in the release.
 
 `build_tiny_text_encoder` writes a tiny random Qwen3.5 text model and a byte-level BPE
 tokenizer trained offline on `TINY_CORPUS` to a folder in the Hugging Face format, the same
@@ -15,15 +17,17 @@ files a real ``text_encoder/`` holds, deterministically.
 from __future__ import annotations
 
 import copy
-import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
+from headmoe.files import check_entries, confined_file, index_map, read_json
+from headmoe.pipeline.prompts import add_released_split, normalize_prompt
+from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.pipeline.weights import check_tensors, open_safetensors
 
-MAX_TOKENS = 7000
 FEATURE_LAYER = -3  # hidden_states index of the feature
 
 
@@ -45,11 +49,23 @@ TEXT_PREFIXES = ("", "model.", "model.language_model.", "language_model.")
 NON_TEXT_PARTS = ("lm_head.", "model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
+#: ``model_type`` values of a Qwen3.5 config (the full model nests the text model's)
+QWEN35_TYPES = ("qwen3_5", "qwen3_5_text")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def _text_config(folder: str):
-    """The folder's ``Qwen3_5TextConfig`` (a full Qwen3.5 config nests it as text_config)."""
+    """The folder's ``Qwen3_5TextConfig`` (a full Qwen3.5 config nests it as text_config),
+    built by transformers' own Qwen3.5 classes: an ``auto_map`` is ignored, never run
+    (``trust_remote_code=False``), and another ``model_type`` is refused first."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+    data = read_json(os.path.join(folder, "config.json"), "text encoder config")
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    if kind not in QWEN35_TYPES:
+        raise ValueError(f"text encoder config {os.path.join(folder, 'config.json')!r}: "
+                         f"model_type={kind!r}, expected one of {QWEN35_TYPES}")
+    cfg = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     cfg = getattr(cfg, "text_config", cfg)
     if cfg.num_hidden_layers < 3:
         raise ValueError(
@@ -59,25 +75,43 @@ def _text_config(folder: str):
 
 
 def _weight_files(folder: str) -> dict[str, str]:
-    """name -> safetensors file, from ``model.safetensors`` or its ``.index.json``."""
+    """name -> safetensors file, from ``model.safetensors`` or its ``.index.json`` (every
+    shard a regular file inside the folder: `headmoe.files.index_map`)."""
+    check_entries(folder, f"text encoder folder {folder!r}: file")
     index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map' object")
-        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
-    single = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(single):
-        raise ValueError(f"text encoder folder {folder!r} has no model.safetensors(.index.json)")
+    if os.path.lexists(index):
+        return index_map(index)
+    single = confined_file(folder, "model.safetensors", f"text encoder folder {folder!r}: file")
     with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)  # noqa: SIM118
 
 
-def _checked_names(folder: str, expected: dict[str, tuple]) -> tuple[str, dict[str, str]]:
+def _check_layer_count(folder: str, cfg, where: dict[str, str]) -> None:
+    """Refuse a config whose layer count differs from the weights' before any skeleton of
+    ``num_hidden_layers`` layers is built."""
+    found = {int(m.group(1)) for n in where if not n.startswith(NON_TEXT_PARTS)
+             and (m := _LAYER.search(n))}
+    count = max(found) + 1 if found else 0
+    if cfg.num_hidden_layers != count:
+        raise ValueError(f"text encoder folder {folder!r}: config.json num_hidden_layers="
+                         f"{cfg.num_hidden_layers} but the weights hold {count} layers")
+
+
+def _skeleton(folder: str, cfg) -> tuple[object, dict[str, str]]:
+    """The full text model on the meta device and the weights' name -> file, after the
+    cheap layer-count check."""
+    from transformers import Qwen3_5TextModel
+
+    where = _weight_files(folder)
+    _check_layer_count(folder, cfg, where)
+    with torch.device("meta"):
+        return Qwen3_5TextModel(cfg), where
+
+
+def _checked_names(folder: str, expected: dict[str, tuple],
+                   where: dict[str, str]) -> tuple[str, dict[str, str]]:
     """Prefix of the text model in the files, and bare name -> file. Every expected tensor
     is checked (names and shapes, all layers) before anything is read."""
-    where = _weight_files(folder)
     prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in where), None)
     if prefix is None:
         raise ValueError(f"{folder}: no embed_tokens.weight under any of {TEXT_PREFIXES}")
@@ -99,10 +133,9 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     from transformers import Qwen3_5TextModel
 
     cfg = _text_config(folder)
-    with torch.device("meta"):
-        full = Qwen3_5TextModel(cfg)
+    full, where = _skeleton(folder, cfg)
     prefix, files = _checked_names(
-        folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}
+        folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}, where
     )
     total = cfg.num_hidden_layers
     cfg = copy.deepcopy(cfg)
@@ -129,30 +162,36 @@ DEFAULT_PAD_TOKEN = "<|endoftext|>"
 
 
 def load_tokenizer(folder: str | os.PathLike):
-    """The tokenizer of a text-encoder folder, offline, never running the folder's code:
-    ``tokenizer.json`` with ``tokenizer_config.json`` (optional; without it the pad token is
-    `DEFAULT_PAD_TOKEN`). Raises `ValueError` naming the folder when there is no pad token."""
+    """The tokenizer of a text-encoder folder, offline, by transformers' own classes (never
+    the folder's code: ``trust_remote_code=False``), with the released pre-tokenizer split
+    in front of its own: ``tokenizer.json`` with ``tokenizer_config.json`` (optional;
+    without it the pad token is `DEFAULT_PAD_TOKEN`). Both are confined to the folder and
+    parsed first, so a corrupt one is named. Raises `ValueError` naming the folder."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder = os.fspath(folder)
-    if not os.path.isfile(os.path.join(folder, TOKENIZER_FILE)):
-        raise ValueError(f"text encoder folder {folder!r} has no {TOKENIZER_FILE}")
-    if os.path.isfile(os.path.join(folder, TOKENIZER_CONFIG)):
+    where = f"text encoder folder {folder!r}: file"
+    tok_file = confined_file(folder, TOKENIZER_FILE, where)
+    read_json(tok_file, "text encoder tokenizer file")
+    if os.path.lexists(os.path.join(folder, TOKENIZER_CONFIG)):
+        read_json(confined_file(folder, TOKENIZER_CONFIG, where), "text encoder tokenizer file")
         tok = AutoTokenizer.from_pretrained(folder, local_files_only=True,
                                             trust_remote_code=False)
     else:
-        tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, TOKENIZER_FILE))
+        tok = PreTrainedTokenizerFast(tokenizer_file=tok_file)
         if DEFAULT_PAD_TOKEN in tok.get_vocab():
             tok.pad_token = DEFAULT_PAD_TOKEN
     if tok.pad_token_id is None:
         raise ValueError(f"text encoder folder {folder!r}: the tokenizer has no pad token")
+    add_released_split(tok)
     return tok
 
 
-def kept_tokens(tokenizer, text: str, max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
-    """Token ids of ``text`` the encoder keeps (at most ``max_tokens``; "" becomes one pad
-    token) and the count before truncation."""
-    ids = tokenizer(text)["input_ids"]
+def kept_tokens(tokenizer, text: str, max_tokens: int = MAX_TEXT_TOKENS
+                ) -> tuple[list[int], int]:
+    """Token ids of ``normalize_prompt(text)`` the encoder keeps (at most ``max_tokens``;
+    "" becomes one pad token) and the count before truncation."""
+    ids = tokenizer(normalize_prompt(text))["input_ids"]
     return ids[:max_tokens] or [tokenizer.pad_token_id], len(ids)
 
 
@@ -161,7 +200,7 @@ class TokenCounter:
     admission's memory estimate needs; loads only the tokenizer, once, on first use;
     picklable: the tokenizer is not pickled)."""
 
-    def __init__(self, folder: str | os.PathLike, max_tokens: int = MAX_TOKENS):
+    def __init__(self, folder: str | os.PathLike, max_tokens: int = MAX_TEXT_TOKENS):
         self.folder, self.max_tokens, self._tok = os.fspath(folder), max_tokens, None
 
     def __call__(self, text: str) -> int:
@@ -176,8 +215,7 @@ class TokenCounter:
 def model_dtype(folder: str | os.PathLike) -> torch.dtype:
     """The folder's model dtype (``dtype`` / ``torch_dtype`` of ``config.json``, the outer
     config first; bfloat16 when it names none): the dtype MAGI-2 runs the encoder in."""
-    with open(os.path.join(os.fspath(folder), "config.json")) as f:
-        data = json.load(f)
+    data = read_json(os.path.join(os.fspath(folder), "config.json"), "text encoder config")
     for section in (data, data.get("text_config") or {}):
         name = section.get("dtype") or section.get("torch_dtype")
         if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
@@ -190,16 +228,11 @@ def check_text_encoder(folder: str | os.PathLike) -> int:
     tokenizer (`load_tokenizer`, offline) and every tensor header of the text
     model (names and shapes, all layers). Returns the feature width (``hidden_size``).
     Raises `ValueError` naming the file or tensors."""
-    from transformers import Qwen3_5TextModel
-
     folder = os.fspath(folder)
-    for name in ("config.json", TOKENIZER_FILE):
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise ValueError(f"text encoder folder {folder!r} has no {name}")
+    confined_file(folder, "config.json", f"text encoder folder {folder!r}: file")
     cfg = _text_config(folder)
-    with torch.device("meta"):
-        full = Qwen3_5TextModel(cfg)
-    _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()})
+    full, where = _skeleton(folder, cfg)
+    _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}, where)
     load_tokenizer(folder)
     return int(cfg.hidden_size)
 
@@ -210,7 +243,7 @@ class Qwen35TextEncoder:
     Construct with `from_folder`. ``encode(text) -> [L, C]`` float32 (model-dtype values);
     `encode_batch` gives the batched form with the truncation report."""
 
-    def __init__(self, model, tokenizer, total_layers: int, max_tokens: int = MAX_TOKENS):
+    def __init__(self, model, tokenizer, total_layers: int, max_tokens: int = MAX_TEXT_TOKENS):
         self.model, self.tokenizer = model, tokenizer
         self.total_layers, self.max_tokens = total_layers, max_tokens
         self.out_channels = int(model.config.hidden_size)
@@ -223,22 +256,22 @@ class Qwen35TextEncoder:
         folder: str | os.PathLike,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
-        max_tokens: int = MAX_TOKENS,
+        max_tokens: int = MAX_TEXT_TOKENS,
     ) -> Qwen35TextEncoder:
         """Load ``config.json``, the safetensors weights (``model.safetensors`` or an index;
         the text model may sit under ``model.`` / ``model.language_model.``, LM head, vision
         and MTP tensors are skipped by name) and the tokenizer files from ``folder``,
-        offline. All tensors are checked by name and shape first; the last two decoder
-        layers and the final norm are then not read."""
+        offline, with the released pre-tokenizer split in front of the tokenizer's own. All
+        tensors are checked by name and shape first; the last two decoder layers and the
+        final norm are then not read."""
         folder = os.fspath(folder)
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise ValueError(f"text encoder folder {folder!r} has no config.json")
+        confined_file(folder, "config.json", f"text encoder folder {folder!r}: file")
         model, total = _load_truncated(folder, dtype, device)
         return cls(model.eval(), load_tokenizer(folder), total, max_tokens)
 
     def tokenize(self, text: str) -> tuple[list[int], int]:
-        """Token ids (at most ``max_tokens``; "" becomes one pad token) and the count before
-        truncation."""
+        """`kept_tokens` of ``text``: ids of ``normalize_prompt(text)`` (at most
+        ``max_tokens``; "" becomes one pad token) and the count before truncation."""
         return kept_tokens(self.tokenizer, text, self.max_tokens)
 
     @torch.no_grad()

@@ -64,6 +64,22 @@ def denormalize(z: torch.Tensor, channel_dim: int = 1) -> torch.Tensor:
     return out.to(z.dtype)
 
 
+def normalize(mu: torch.Tensor, channel_dim: int = 1) -> torch.Tensor:
+    """``(mu - mean) * (1/std)`` per channel along ``channel_dim`` in float32, as the
+    release's encoder normalises its posterior mean (``scale = [mean, 1/std]``); the inverse
+    of `denormalize` to rounding."""
+    if mu.shape[channel_dim] != LATENT_CHANNELS:
+        raise ValueError(
+            f"latent has {mu.shape[channel_dim]} channels on dim {channel_dim}, "
+            f"expected {LATENT_CHANNELS}"
+        )
+    mean, std = latent_stats()
+    view = [1] * mu.dim()
+    view[channel_dim] = LATENT_CHANNELS
+    inv = (1.0 / std).view(view).to(mu.device)
+    return (mu.float() - mean.view(view).to(mu.device)) * inv
+
+
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
     """Decoder output ``[B, 3, F, H, W]`` (any float dtype) -> ``[F, H, W, 3]`` uint8 of
     batch item 0, as MAGI-2's ``decode_video``: ``clamp(x * 0.5 + 0.5, 0, 1) * 255`` in

@@ -6,6 +6,10 @@ dotted name; rules in ``shared/golden/wan22_vae/README.md``); nothing is reshape
 de-normalises the 48-channel latents (`video_latents.denormalize`) and calls
 ``AutoencoderKLWan.decode`` (which clamps to [-1, 1]): ``T`` latent frames -> ``4T - 3``
 frames, x16 spatially. Loader: `load_wan_vae`; pipeline adapter: `WanVideoDecoder`.
+
+The image-to-video encoder (`load_wan_encoder`, `WanImageEncoder`) uses the encoder half
+of the same file: ``AutoencoderKLWan.encode`` of one frame, the posterior **mean** (no
+sampling), normalised with the same statistics (`video_latents.normalize`).
 """
 
 from __future__ import annotations
@@ -204,6 +208,44 @@ def load_wan_vae(
     state = {k: v.to(device=device, dtype=dtype) for k, v in renamed.items()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
+
+
+#: the parts of ``AutoencoderKLWan`` that encoding uses (the decoder is never materialised)
+ENCODER_PARTS = ("encoder.", "quant_conv.")
+
+
+def load_wan_encoder(
+    path: str | os.PathLike,
+    config: Mapping | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """``AutoencoderKLWan`` of ``Wan2.2_VAE.pth`` (or its folder) with only `ENCODER_PARTS`
+    loaded: every tensor of the file is checked as `load_wan_vae` does, the encoder and
+    ``quant_conv`` are loaded strictly, and the decoder half is dropped (never allocated)."""
+    renamed, model = _checked_state(path, config)
+    for part in (p.rstrip(".") for p in ENCODER_PARTS):
+        sub = {k[len(part) + 1:]: v.to(device=device, dtype=dtype)
+               for k, v in renamed.items() if k.startswith(part + ".")}
+        getattr(model, part).load_state_dict(sub, strict=True, assign=True)
+    del model.decoder, model.post_quant_conv
+    return model.eval()
+
+
+class WanImageEncoder:
+    """The I2V image encoder: VAE input ``[1, 3, 1, H, W]`` float32 in [-1, 1] (H, W
+    multiples of 32) -> normalised posterior mean ``[1, 48, 1, H/16, W/16]`` float32."""
+
+    def __init__(self, vae):
+        self.vae = vae
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.dim() != 5 or pixels.shape[:3] != (1, 3, 1):
+            raise ValueError(f"pixels must be [1, 3, 1, H, W], got {list(pixels.shape)}")
+        p = next(self.vae.parameters())
+        mu = self.vae.encode(pixels.to(device=p.device, dtype=p.dtype)).latent_dist.mode()
+        return video_latents.normalize(mu, channel_dim=1).cpu()
 
 
 def build_tiny_wan_vae(

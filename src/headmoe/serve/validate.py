@@ -49,6 +49,7 @@ class VideoCreate(BaseModel):
     fps: float | None = None
     shift: float | None = None
     sampler: str | None = None
+    noise_device: str | None = None
     model: str | None = None
 
 

@@ -36,16 +36,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import (
     ExchangeWorkspace,
+    gather_rows,
     ulysses_heads_to_seq,
     ulysses_qkv_to_heads,
 )
-from headmoe.distributed.schedule import Exchange, ForwardSchedule
+from headmoe.distributed.schedule import ForwardSchedule
 from headmoe.distributed.sharding import sp_rows, sp_token_counts
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.attention import segment_attention
@@ -389,19 +389,9 @@ class Magi2Transformer(nn.Module):
         return local
 
     def _gather(self, local: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
-        """Every SP rank's `[count_r, P]` rows -> the full `[T, P]` (all_gather of padded
-        shards over the SP group)."""
-        sp = self.context.config.ulysses_degree
-        if sp == 1:
-            return local
-        width, rows = local.shape[1], max(plan.counts)
-        padded = local.new_zeros((rows, width))
-        padded[: local.shape[0]] = local
-        parts = [torch.empty_like(padded) for _ in range(sp)]
-        dist.all_gather(parts, padded, group=self.context.group("sp"))
-        moved = (sp - 1) * padded.numel() * padded.element_size()
-        self.context.counters.record_exchange(Exchange.SP_OUTPUT_GATHER, moved, moved)
-        return torch.cat([p[:c] for p, c in zip(parts, plan.counts)])
+        """Every SP rank's `[count_r, P]` rows -> the full `[T, P]` (`gather_rows`)."""
+        group = self.context.group("sp") if self.context.config.ulysses_degree > 1 else None
+        return gather_rows(local, group, plan.counts, counters=self.context.counters)
 
     @torch.no_grad()
     def forward_packed(

@@ -2,7 +2,11 @@
 
 Notation: T packed tokens; a branch is one CFG branch (cond or uncond) of one request;
 its tokens are `[video (t, h, w row-major) | audio | text]`, and branches are concatenated
-(one attention segment each, `cu_seqlens`). Every table here is a per-row function of the
+(one attention segment each, `cu_seqlens`). An image-to-video branch (MAGI2.md 9.4) adds,
+after its text, one special-token row (modality text, the pooled `<Figure 1>` embedding,
+coords `(T+2, -1, -1, 1, h, w, 1, h, w)`) and the reference image's `h*w` latent rows
+(modality video, row-major, coords `(T+2, i, j, 1, h, w, 1, h, w)`), all at time 0 (clean);
+their outputs are dropped by `unpack_outputs`. Every table here is a per-row function of the
 row's own coordinates, so any shard of the rows computes the same bits as the whole.
 
 Public tensors (`PackedInputs`), as in ../shared/golden/magi2/*.safetensors `packed.*`:
@@ -43,6 +47,14 @@ class BranchInput:
     text: torch.Tensor
     t_video: float
     t_audio: float
+    image: torch.Tensor | None = None
+    """Image-to-video: the reference image's clean latent `[h, w, video_in_channels]` fp32."""
+    image_token: torch.Tensor | None = None
+    """Image-to-video: the `<Figure 1>` embedding `[text_in_channels]` fp32 (with `image`)."""
+
+
+#: latent time of the reference image: after the clip's T latents, with a gap of one
+IMAGE_TIME_OFFSET = 2
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,10 @@ def time_sinusoid(timestep: torch.Tensor, dim: int = 64) -> torch.Tensor:
     return torch.cat([arg.cos(), arg.sin()], dim=-1)
 
 
-def _branch_coords(t_lat: int, h_lat: int, w_lat: int, n_audio: int, n_text: int
-                   ) -> torch.Tensor:
+def branch_coords(t_lat: int, h_lat: int, w_lat: int, n_audio: int, n_text: int
+                  ) -> torch.Tensor:
+    """`[T, 9]` fp32 coordinates of one branch's `[video (raster) | audio | text]` rows
+    (the module table's `coords`; the refiner uses the same rule)."""
     grid = torch.stack(
         torch.meshgrid(torch.arange(t_lat), torch.arange(h_lat), torch.arange(w_lat),
                        indexing="ij"), dim=-1,
@@ -125,6 +139,44 @@ def _branch_coords(t_lat: int, h_lat: int, w_lat: int, n_audio: int, n_text: int
     text[:, 0] = torch.arange(n_text) - n_text
     text[:, 3:] = torch.tensor([n_text, 1, 1, 1, 1, 1])
     return torch.cat([video, audio, text]).float()
+
+
+def _image_coords(t_lat: int, h_img: int, w_img: int) -> torch.Tensor:
+    """`[1 + h*w, 9]` fp32: the special token, then the image grid, at `T + 2`."""
+    grid = torch.stack(torch.meshgrid(torch.arange(h_img), torch.arange(w_img), indexing="ij"),
+                       dim=-1).reshape(-1, 2)
+    rows = torch.cat([torch.tensor([[-1, -1]]), grid])
+    size = torch.tensor([[1, h_img, w_img] * 2]).expand(len(rows), 6)
+    t = torch.full((len(rows), 1), t_lat + IMAGE_TIME_OFFSET)
+    return torch.cat([t, rows, size], 1).float()
+
+
+def _branch_parts(br: BranchInput) -> list[tuple[int, torch.Tensor, float]]:
+    """`(modality, rows [n, C], tau)` of a branch in packing order."""
+    parts = [(VIDEO, br.video.reshape(-1, br.video.shape[-1]), br.t_video),
+             (AUDIO, br.audio, br.t_audio), (TEXT, br.text, 0.0)]
+    if br.image is not None:
+        parts += [(TEXT, br.image_token.reshape(1, -1), 0.0),
+                  (VIDEO, br.image.reshape(-1, br.image.shape[-1]), 0.0)]
+    return parts
+
+
+def _check_image(b: int, br: BranchInput, config: Magi2Config) -> None:
+    if br.image is None and br.image_token is None:
+        return
+    img, tok = br.image, br.image_token
+    ok = (isinstance(img, torch.Tensor) and img.dim() == 3 and img.shape[-1] ==
+          config.video_in_channels and img.dtype == torch.float32 and img.shape[:2].numel() > 0
+          and isinstance(tok, torch.Tensor) and tuple(tok.shape) == (config.text_in_channels,)
+          and tok.dtype == torch.float32)
+    if not ok:
+        got = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+               for x in (img, tok)]
+        raise ValueError(
+            f"branches[{b}].image / image_token must be fp32 [h, w, "
+            f"{config.video_in_channels}] (h, w >= 1) and [{config.text_in_channels}] "
+            f"together, got {got!r}"
+        )
 
 
 def _check_branches(branches: Sequence[BranchInput], config: Magi2Config) -> None:
@@ -148,13 +200,15 @@ def _check_branches(branches: Sequence[BranchInput], config: Magi2Config) -> Non
             t = getattr(br, name)
             if not is_number(t) or not 0.0 <= t <= 1.0:
                 raise ValueError(f"branches[{b}].{name} must be a float in [0, 1], got {t!r}")
+        _check_image(b, br, config)
     if sum(branch_length(br) for br in branches) == 0:
         raise ValueError("branches hold no tokens (video, audio and text all empty)")
 
 
 def branch_length(br: BranchInput) -> int:
-    """Packed tokens of one branch: video grid + audio + text."""
-    return br.video.shape[:3].numel() + br.audio.shape[0] + br.text.shape[0]
+    """Packed tokens of one branch: video grid + audio + text (+ 1 + h*w image rows)."""
+    n = br.video.shape[:3].numel() + br.audio.shape[0] + br.text.shape[0]
+    return n if br.image is None else n + 1 + br.image.shape[:2].numel()
 
 
 def pack_branches(branches: Sequence[BranchInput], config: Magi2Config) -> PackedInputs:
@@ -166,13 +220,13 @@ def pack_branches(branches: Sequence[BranchInput], config: Magi2Config) -> Packe
     width = config.max_in_channels
     for br in branches:
         t_lat, h_lat, w_lat = br.video.shape[:3]
-        parts = (br.video.reshape(-1, br.video.shape[-1]), br.audio, br.text)
-        for m, part in zip((VIDEO, AUDIO, TEXT), parts):
+        for m, part, tau in _branch_parts(br):
             xs.append(torch.nn.functional.pad(part.detach().cpu(), (0, width - part.shape[1])))
             mods.append(torch.full((part.shape[0],), m, dtype=torch.int64))
-            tau = (br.t_video, br.t_audio, 0.0)[m]
             times.append(torch.full((part.shape[0],), float(1000.0 * tau), dtype=torch.float32))
-        coords.append(_branch_coords(t_lat, h_lat, w_lat, br.audio.shape[0], br.text.shape[0]))
+        coords.append(branch_coords(t_lat, h_lat, w_lat, br.audio.shape[0], br.text.shape[0]))
+        if br.image is not None:
+            coords.append(_image_coords(t_lat, *br.image.shape[:2]))
         cu.append(cu[-1] + branch_length(br))
     return PackedInputs(
         x=torch.cat(xs), coords=torch.cat(coords), modality=torch.cat(mods),

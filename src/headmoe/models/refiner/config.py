@@ -1,0 +1,228 @@
+"""MAGI-2 refiner configuration: presets, the released schema, parallel checks.
+
+`magi2-refiner` is the released 1080p refiner (../shared/design/REFINER.md section 2:
+30 layers, C 4096, head_dim 128, 32 query / 8 KV heads, modality-specific layers 0, 1, 28,
+29, MLP width 10920, block-grid attention over 8x4x4 blocks with radius 2 in every layer).
+`Magi2RefinerConfig.from_dict` reads our own `to_dict()` output or the upstream model
+section (the `arch` object of golden/magi2_refiner/config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from headmoe.config import ParallelConfig, check_positive_int, is_int
+from headmoe.models.magi2.config import MODALITIES, PARAMS_DTYPES
+
+
+@dataclass(frozen=True)
+class Magi2RefinerConfig:
+    """Dimensions of a MAGI-2 refiner (validated on construction).
+
+    Derived sizes (REFINER.md section 2): query heads `hidden_size // head_dim`, rotary
+    bands `head_dim // 8`, MLP width `floor(C * 4 * 2/3)` rounded down to a multiple of 4.
+    Attention: video token (t, h, w) lies in block (t // block_t, h // block_h,
+    w // block_w); two video tokens see each other iff their blocks differ by at most
+    `radius_*` on every axis; every pair with a text (or audio) token is visible."""
+
+    name: str
+    num_layers: int
+    multimodal_layers: tuple[int, ...]
+    """Layers with three weight sets (video, audio, text) stacked along the output dim."""
+    hidden_size: int
+    head_dim: int
+    num_query_groups: int
+    """KV heads (GQA); must divide the query heads."""
+    video_in_channels: int = 48
+    audio_in_channels: int = 64
+    text_in_channels: int = 5120
+    params_dtype: str = "bfloat16"
+    norm_eps: float = 1e-6
+    block_t: int = 8
+    block_h: int = 4
+    block_w: int = 4
+    radius_t: int = 2
+    radius_h: int = 2
+    radius_w: int = 2
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.type == "int":
+                check_positive_int(f.name, getattr(self, f.name))
+        for f in ("radius_t", "radius_h", "radius_w"):
+            v = getattr(self, f)
+            if not is_int(v) or v < 0:
+                raise ValueError(f"{f} must be an int >= 0, got {v!r}")
+        layers = self.multimodal_layers
+        if not isinstance(layers, tuple) or any(
+            not is_int(i) or not 0 <= i < self.num_layers for i in layers
+        ) or len(set(layers)) != len(layers):
+            raise ValueError(f"multimodal_layers must be a tuple of distinct layer ids in "
+                             f"[0, {self.num_layers}), got {layers!r}")
+        if self.hidden_size % self.head_dim:
+            raise ValueError(f"hidden_size={self.hidden_size} must be divisible by "
+                             f"head_dim={self.head_dim}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must be divisible "
+                             f"by num_query_groups={self.num_query_groups}")
+        if self.head_dim % 8:
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of 8 (rotary bands)")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"params_dtype must be one of {sorted(PARAMS_DTYPES)}, "
+                             f"got {self.params_dtype!r}")
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hidden_size // self.head_dim
+
+    @property
+    def rope_bands(self) -> int:
+        """Rotary bands B per axis (head_dim // 8): the first 6B = 3/4 of a head rotate."""
+        return self.head_dim // 8
+
+    @property
+    def intermediate_size(self) -> int:
+        """floor(C * 4 * 2/3) rounded down to a multiple of 4 (10920 for C = 4096)."""
+        return int(self.hidden_size * 4 * 2 / 3) // 4 * 4
+
+    @property
+    def qkv_width(self) -> int:
+        """Rows of linear_qkv per modality: (query heads + 2 KV heads) * head_dim."""
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+
+    @property
+    def max_in_channels(self) -> int:
+        return max(self.video_in_channels, self.audio_in_channels, self.text_in_channels)
+
+    @property
+    def num_modalities(self) -> int:
+        return len(MODALITIES)
+
+    @property
+    def torch_params_dtype(self) -> torch.dtype:
+        return PARAMS_DTYPES[self.params_dtype]
+
+    @property
+    def block_size(self) -> tuple[int, int, int]:
+        return (self.block_t, self.block_h, self.block_w)
+
+    @property
+    def radius(self) -> tuple[int, int, int]:
+        return (self.radius_t, self.radius_h, self.radius_w)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["multimodal_layers"] = list(self.multimodal_layers)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], name: str = "custom") -> Magi2RefinerConfig:
+        """A config from `to_dict()`'s output or the upstream model section (keys
+        `mm_layers`, `num_heads_q`, ...). Raises `ValueError` naming the field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"refiner config must be a JSON object, got {type(data).__name__}")
+        if "mm_layers" in data:
+            return _from_upstream(data, name)
+        own = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - own)
+        if unknown:
+            raise ValueError(f"refiner config has unknown fields: {', '.join(unknown)}")
+        kwargs = {"name": name, **data}
+        kwargs["multimodal_layers"] = tuple(kwargs.get("multimodal_layers", ()))
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ValueError(f"refiner config: {e}") from None
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> Magi2RefinerConfig:
+        """`from_dict` of a JSON file; errors name the file."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"refiner config {path!r} is not a readable JSON file: {e}") from None
+        try:
+            return cls.from_dict(data, name=os.path.splitext(os.path.basename(path))[0])
+        except ValueError as e:
+            raise ValueError(f"refiner config {path!r}: {e}") from None
+
+
+#: upstream field -> value the released refiner has (anything else is refused)
+_UPSTREAM_FIXED = {
+    "enable_attn_gating": True, "activation_type": "swiglu7", "layer_activation_types": {},
+    "post_norm_layers": [],
+}
+_UPSTREAM_FIELDS = {
+    "num_layers", "hidden_size", "head_dim", "num_query_groups", "video_in_channels",
+    "audio_in_channels", "text_in_channels", "params_dtype", "mm_layers", "local_attn_layers",
+    "checkpoint_qk_layernorm_rope", "num_heads_q", "num_heads_kv", *_UPSTREAM_FIXED,
+}
+
+
+def _from_upstream(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
+    unknown = sorted(set(data) - _UPSTREAM_FIELDS)
+    if unknown:
+        raise ValueError(f"refiner config has unknown fields: {', '.join(unknown)}")
+    for key, fixed in _UPSTREAM_FIXED.items():
+        if key in data and data[key] != fixed:
+            raise ValueError(f"refiner config field {key}={data[key]!r} is not supported "
+                             f"(the released refiner has {fixed!r})")
+    n = data.get("num_layers")
+    local = data.get("local_attn_layers")
+    if local is not None and is_int(n) and list(local) != list(range(n)):
+        raise ValueError(f"refiner config field local_attn_layers={local!r} is not supported "
+                         f"(every layer uses the block-grid attention)")
+    dtype = str(data.get("params_dtype", "bfloat16")).removeprefix("torch.")
+    kwargs = {k: data[k] for k in ("num_layers", "hidden_size", "head_dim", "num_query_groups",
+                                   "video_in_channels", "audio_in_channels", "text_in_channels")
+              if k in data}
+    try:
+        cfg = Magi2RefinerConfig(name=name, multimodal_layers=tuple(data["mm_layers"]),
+                                 params_dtype=dtype, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"refiner config: {e}") from None
+    for key, want in (("num_heads_q", cfg.num_attention_heads),
+                      ("num_heads_kv", cfg.num_query_groups)):
+        if key in data and data[key] != want:
+            raise ValueError(f"refiner config field {key}={data[key]!r} must be {want}")
+    return cfg
+
+
+PRESETS: dict[str, Magi2RefinerConfig] = {
+    "magi2-refiner": Magi2RefinerConfig(
+        name="magi2-refiner", num_layers=30, multimodal_layers=(0, 1, 28, 29),
+        hidden_size=4096, head_dim=128, num_query_groups=8,
+    ),
+    # the embedded tiny release's refiner: 8 query / 4 KV heads so that SP 4 holds one KV
+    # head per rank, text width of the tiny release's text encoder
+    "tiny-refiner": Magi2RefinerConfig(
+        name="tiny-refiner", num_layers=4, multimodal_layers=(0, 3), hidden_size=128,
+        head_dim=16, num_query_groups=4, text_in_channels=64,
+    ),
+}
+
+
+def get_refiner_config(name: str, **overrides: Any) -> Magi2RefinerConfig:
+    """A preset ("magi2-refiner", "tiny-refiner"), optionally with fields replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"refiner config name must be one of {sorted(PRESETS)}, got {name!r}")
+    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+
+
+def validate_parallel(config: Magi2RefinerConfig, parallel: ParallelConfig) -> None:
+    """Check a refiner config against a parallel config (before any collective); raises
+    `ValueError` naming the fields and values. EP does not apply (no MoE): the refiner runs
+    on the SP groups of the layout and ignores the EP fields."""
+    sp = parallel.ulysses_degree
+    if config.num_attention_heads % sp:
+        raise ValueError(f"refiner num_attention_heads={config.num_attention_heads} must be "
+                         f"divisible by ulysses_degree={sp}")
+    if parallel.cfg_parallel_size not in (1, 2):
+        raise ValueError(f"cfg_parallel_size={parallel.cfg_parallel_size} must be 1 or 2")

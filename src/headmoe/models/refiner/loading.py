@@ -1,0 +1,96 @@
+"""Refiner checkpoints under the released tensor names (REFINER.md section 3): spec,
+header checks, loading, random writer (safetensors only).
+
+The release's loader builds the module and calls `load_state_dict(strict=True)` with no
+renaming, so a checkpoint holds exactly the module's names: 281 tensors and 6,720,075,280
+values for `magi2-refiner` (golden/magi2_refiner/refiner_tensors.tsv), the layer linears
+in `params_dtype`, everything else fp32. The header checks, the optional `transformer.`
+prefix, the index containment and the float casts are those of
+`headmoe.models.magi2.loading` (`check_headers`); every rank reads every tensor (the
+refiner is not sharded by weights).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from safetensors import safe_open
+
+from headmoe.models.magi2.loading import LoadReport, check_headers, write_random_tensors
+from headmoe.models.refiner.config import Magi2RefinerConfig
+from headmoe.models.refiner.model import Magi2Refiner
+
+
+def refiner_spec(config: Magi2RefinerConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of a full refiner checkpoint: name -> (shape, dtype), in the module's
+    `state_dict` order (built on the meta device)."""
+    with torch.device("meta"):
+        model = Magi2Refiner(config, dtype=config.torch_params_dtype)
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def refiner_parameter_count(config: Magi2RefinerConfig) -> int:
+    """Values in a full checkpoint (6,720,075,280 for `magi2-refiner`)."""
+    return sum(torch.Size(s).numel() for s, _ in refiner_spec(config).values())
+
+
+def refiner_weight_bytes(config: Magi2RefinerConfig, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the refiner's weights held in a model of `dtype` (None: the release's):
+    layer linears in that dtype, the rest fp32 (12.56 GiB for `magi2-refiner` in bf16)."""
+    total = 0
+    for shape, d in refiner_spec(config).values():
+        size = (dtype or d).itemsize if d != torch.float32 else 4
+        total += torch.Size(shape).numel() * size
+    return total
+
+
+def check_refiner_checkpoint(
+    config: Magi2RefinerConfig, path: str | os.PathLike, param_dtype: torch.dtype | None = None
+) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
+    """Check a refiner checkpoint's headers against `config` without reading a tensor;
+    raises `ValueError` naming every missing, unexpected, mis-shaped or non-float tensor."""
+    return check_headers(refiner_spec(config), path, param_dtype,
+                         f"refiner config {config.name!r}")
+
+
+def load_refiner(
+    model: Magi2Refiner, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30
+) -> LoadReport:
+    """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`:
+    every header checked first (`check_refiner_checkpoint`), then every tensor read, cast
+    to its parameter's dtype and copied in batches of about `max_batch_bytes`."""
+    headers, report = check_refiner_checkpoint(model.config, path, model.dtype)
+    local = model.state_dict()
+    by_file: dict[str, list[str]] = {}
+    for name in local:
+        by_file.setdefault(headers[name][0], []).append(name)
+    batch: dict[str, torch.Tensor] = {}
+    held = 0
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                tensor = f.get_tensor(report.prefix + name).to(local[name].dtype)
+                batch[name] = tensor
+                held += tensor.numel() * tensor.element_size()
+                if held >= max_batch_bytes:
+                    _flush(model, batch)
+                    held = 0
+    _flush(model, batch)
+    return report
+
+
+def _flush(model: Magi2Refiner, tensors: dict[str, torch.Tensor]) -> None:
+    result = model.load_state_dict(tensors, strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys  # names checked above
+    tensors.clear()
+
+
+def write_random_refiner(
+    config: Magi2RefinerConfig, path: str | os.PathLike, seed: int = 0, *,
+    max_shard_bytes: int = 1 << 30,
+) -> None:
+    """Deterministic random refiner weights under the released names and dtypes
+    (`write_random_tensors`: one file, or shards plus an index for a
+    `*.safetensors.index.json` path)."""
+    write_random_tensors(refiner_spec(config), path, seed, max_shard_bytes=max_shard_bytes)

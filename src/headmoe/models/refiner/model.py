@@ -1,0 +1,302 @@
+"""The MAGI-2 1080p refiner transformer (REFINER.md section 5), sharded over Ulysses SP.
+
+Notation: N packed rows (N_local on this rank), C hidden size, Hq / Hkv query / KV heads
+of D dims, B = D/8 rotary bands, I the MLP width, m(r) the modality of row r (video or
+text; audio rows are handled the same way if present but the release has none).
+
+    x [N_local, Cx] --embedder per m (fp32, -> C)--> cast to dtype: residual h
+    per layer (pre-norm, two branches; weights per m in multimodal layers):
+        a = RMSNorm(h) (1 + w_m)                            fp32
+        q, k, v = a W_qkv^T; g = a W_g^T                    linears in dtype
+        q, k <- rotary(RMSNorm_head(q|k) (1 + w)) on the first 6B dims   fp32
+        Ulysses in (q, k, v in dtype) -> block-grid attention on this rank's heads
+        (`headmoe.layers.range_attention`) -> Ulysses out
+        h <- h + (o sigmoid(g)) W_proj^T                    (rounded to dtype)
+        h <- h + W_down SwiGLU7(RMSNorm(h) (1 + w') W_up_gate^T)   in row chunks
+    post-adapter on video rows (fp32): RMSNorm, final_linear_video -> 48; gather over SP
+
+Dtypes (bf16 as released, or fp32: the same function with every cast a no-op): every
+linear inside a layer takes dtype inputs and weights and gives a dtype-rounded result;
+norms, rotary, the gate, SwiGLU7 and the adapters are fp32; the residual starts in dtype,
+stays dtype after layer 0's attention add and is fp32 from layer 0's MLP add on (the
+release's promotion, golden `bf16_dtypes`).
+
+No time input, no sinks, no mHC, no MoE. Layout independence: every op but attention is
+per row (`bi_linear`, position-independent activations), and the attention's calls depend
+only on the packing (see `headmoe.layers.range_attention`), so every SP / CFG layout gives
+the bits of one rank (tests/models/test_refiner_multirank.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.exchange import gather_rows, ulysses_heads_to_seq, ulysses_seq_to_heads
+from headmoe.distributed.sharding import sp_rows, sp_token_counts
+from headmoe.layers.activations import sigmoid, swiglu7
+from headmoe.layers.linear import Linear, ModalityLinear
+from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
+from headmoe.layers.range_attention import RangePlan, range_attention
+from headmoe.layers.rope import apply_rope, default_bands, rope_table, split_table
+from headmoe.models.magi2.config import MODALITIES, VIDEO
+from headmoe.models.refiner.config import Magi2RefinerConfig, validate_parallel
+from headmoe.models.refiner.packing import RefinerPacked, attention_plan, pack_refiner, unpack_video
+
+#: rows of the MLP processed at once (bounds the fp32 [rows, 2I] temporaries: 16,384 rows
+#: of the released refiner hold 1.3 GiB of up_gate output in fp32)
+MLP_CHUNK_ROWS = 16384
+
+
+@dataclass
+class RefinerPlan:
+    """Host-side facts of one forward on this rank: SP `counts`, this rank's rows
+    [lo, hi), `modality` `[N_local]` int64 and `groups[m]` (local rows of modality m) on
+    the model's device, rotary cos/sin `[N_local, 3B]` fp32, the attention `RangePlan`."""
+
+    counts: tuple[int, ...]
+    lo: int
+    hi: int
+    modality: torch.Tensor
+    groups: list[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn: RangePlan
+
+    @property
+    def local_tokens(self) -> int:
+        return self.hi - self.lo
+
+
+def _groups(modality: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.nonzero(modality == m).flatten() for m in range(len(MODALITIES))]
+
+
+class RefinerAttention(nn.Module):
+    """Gated GQA attention over the block grid. `modalities` weight sets (3 in multimodal
+    layers, else 1), stacked along the output dim (video, audio, text): pre_norm.weight
+    `[m*C]`; linear_qkv.weight `[m*(Hq+2Hkv)*D, C]` (per set: q heads, k heads, v heads);
+    linear_g.weight `[m*Hq, C]`; linear_proj.weight `[m*C, Hq*D]`; q_norm / k_norm.weight
+    `[m*D]`."""
+
+    def __init__(self, config: Magi2RefinerConfig, dtype: torch.dtype, modalities: int):
+        super().__init__()
+        c, d, m, eps = config.hidden_size, config.head_dim, modalities, config.norm_eps
+        self.hq, self.hkv, self.head_dim, self.dtype = (
+            config.num_attention_heads, config.num_query_groups, d, dtype)
+        self.pre_norm = ModalityRMSNorm(m, c, eps)
+        self.linear_qkv = ModalityLinear(m, c, config.qkv_width, dtype)
+        self.linear_g = ModalityLinear(m, c, self.hq, dtype)
+        self.linear_proj = ModalityLinear(m, self.hq * d, c, dtype)
+        self.q_norm = ModalityRMSNorm(m, d, eps)
+        self.k_norm = ModalityRMSNorm(m, d, eps)
+
+    def _qkv(self, a: torch.Tensor, plan: RefinerPlan) -> tuple[torch.Tensor, ...]:
+        """Normed, rotated q `[N_local, Hq, D]`, k and v `[N_local, Hkv, D]` in dtype."""
+        n, d, hq, hkv = a.shape[0], self.head_dim, self.hq, self.hkv
+        qkv = self.linear_qkv(a, plan.groups)
+        q = qkv[:, : hq * d].view(n, hq, d)
+        k = qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d)
+        v = qkv[:, (hq + hkv) * d :].view(n, hkv, d)
+        q = apply_rope(self.q_norm(q, plan.modality), plan.cos, plan.sin)
+        k = apply_rope(self.k_norm(k, plan.modality), plan.cos, plan.sin)
+        return q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)
+
+    def _attend(self, q, k, v, plan: RefinerPlan, ctx: ParallelContext) -> torch.Tensor:
+        """Ulysses in, attention on this rank's heads, Ulysses out: `[N_local, Hq, D]`.
+        q, k and v travel in one all-to-all, each rank's heads side by side; KV heads are
+        repeated to Hq first when the SP degree does not divide Hkv."""
+        sp = ctx.config.ulysses_degree
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if sp == 1:
+            return range_attention(q, k, v, plan.attn, scale)
+        n, d = q.shape[0], self.head_dim
+        if self.hkv % sp:
+            k = k.repeat_interleave(self.hq // self.hkv, 1)
+            v = v.repeat_interleave(self.hq // self.hkv, 1)
+        lq, lk = self.hq // sp, k.shape[1] // sp
+        packed = torch.cat([q.view(n, sp, lq, d), k.view(n, sp, lk, d), v.view(n, sp, lk, d)], 2)
+        group = ctx.group("sp")
+        heads = ulysses_seq_to_heads(packed.view(n, sp * (lq + 2 * lk), d), group, plan.counts,
+                                     counters=ctx.counters)
+        o = range_attention(heads[:, :lq], heads[:, lq : lq + lk], heads[:, lq + lk :],
+                            plan.attn, scale)
+        return ulysses_heads_to_seq(o, group, plan.counts, counters=ctx.counters)
+
+    def forward(self, h: torch.Tensor, plan: RefinerPlan, ctx: ParallelContext) -> torch.Tensor:
+        """h `[N_local, C]` residual -> the branch `[N_local, C]` in dtype."""
+        a = self.pre_norm(h, plan.modality)
+        gate = self.linear_g(a, plan.groups)
+        q, k, v = self._qkv(a, plan)
+        o = self._attend(q, k, v, plan, ctx)
+        o = o.float() * sigmoid(gate)[:, :, None]
+        out = self.linear_proj(o.reshape(h.shape[0], self.hq * self.head_dim), plan.groups)
+        return out.to(self.dtype)
+
+
+class RefinerMLP(nn.Module):
+    """pre_norm.weight `[m*C]`; up_gate_proj.weight `[m*2I, C]` (per set: gate / linear
+    interleaved, even / odd rows); down_proj.weight `[m*C, I]`."""
+
+    def __init__(self, config: Magi2RefinerConfig, dtype: torch.dtype, modalities: int):
+        super().__init__()
+        c, i, m = config.hidden_size, config.intermediate_size, modalities
+        self.pre_norm = ModalityRMSNorm(m, c, config.norm_eps)
+        self.up_gate_proj = ModalityLinear(m, c, 2 * i, dtype)
+        self.down_proj = ModalityLinear(m, i, c, dtype)
+
+    def add_to(self, h: torch.Tensor, plan: RefinerPlan, chunk_rows: int) -> torch.Tensor:
+        """`fp32(h) + MLP(h)` `[N_local, C]`, `chunk_rows` rows at a time (rows are
+        independent, so the chunking does not change any bit)."""
+        out = h.float()
+        for a in range(0, h.shape[0], chunk_rows):
+            b = min(a + chunk_rows, h.shape[0])
+            mod = plan.modality[a:b]
+            u = self.pre_norm(h[a:b], mod)
+            groups = _groups(mod)
+            out[a:b] += self.down_proj(swiglu7(self.up_gate_proj(u, groups)), groups)
+        return out
+
+
+class RefinerLayer(nn.Module):
+    def __init__(self, config: Magi2RefinerConfig, layer_id: int, dtype: torch.dtype):
+        super().__init__()
+        sets = config.num_modalities if layer_id in config.multimodal_layers else 1
+        self.attention = RefinerAttention(config, dtype, sets)
+        self.mlp = RefinerMLP(config, dtype, sets)
+
+
+class RefinerBlock(nn.Module):
+    def __init__(self, config: Magi2RefinerConfig, dtype: torch.dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(RefinerLayer(config, i, dtype) for i in range(config.num_layers))
+
+
+class RefinerRope(nn.Module):
+    """`bands` `[B]` fp32 buffer (checkpoint `pre_adapter.rope.bands`)."""
+
+    def __init__(self, bands: int):
+        super().__init__()
+        self.register_buffer("bands", default_bands(bands))
+
+
+class RefinerPreAdapter(nn.Module):
+    """fp32 `{video,text,audio}_embedder` (weight `[C, in_m]`, bias `[C]`), rotary bands."""
+
+    def __init__(self, config: Magi2RefinerConfig):
+        super().__init__()
+        c = config.hidden_size
+        self.video_embedder = Linear(config.video_in_channels, c, bias=True)
+        self.text_embedder = Linear(config.text_in_channels, c, bias=True)
+        self.audio_embedder = Linear(config.audio_in_channels, c, bias=True)
+        self.rope = RefinerRope(config.rope_bands)
+
+    def embedders(self) -> tuple[Linear, Linear, Linear]:
+        """In modality order (video, audio, text)."""
+        return self.video_embedder, self.audio_embedder, self.text_embedder
+
+
+class RefinerPostAdapter(nn.Module):
+    """fp32 final_norm_{video,audio}.weight `[C]`, final_linear_{video,audio}.weight
+    `[out, C]` (no bias)."""
+
+    def __init__(self, config: Magi2RefinerConfig):
+        super().__init__()
+        c = config.hidden_size
+        self.final_norm_video = RMSNorm(c, config.norm_eps)
+        self.final_norm_audio = RMSNorm(c, config.norm_eps)
+        self.final_linear_video = Linear(c, config.video_in_channels)
+        self.final_linear_audio = Linear(c, config.audio_in_channels)
+
+
+class Magi2Refiner(nn.Module):
+    """The refiner, sharded by the given `ParallelContext` (Ulysses SP; CFG and DP only
+    choose which forwards a rank runs). `dtype` (fp32 or bf16) is the dtype of the layer
+    linears. Parameters start at zeros; load weights with `load_refiner`. Inference only.
+    `mlp_chunk_rows` bounds the MLP's fp32 temporaries (`MLP_CHUNK_ROWS`)."""
+
+    def __init__(
+        self, config: Magi2RefinerConfig, context: ParallelContext | None = None,
+        dtype: torch.dtype = torch.float32, mlp_chunk_rows: int = MLP_CHUNK_ROWS,
+    ) -> None:
+        super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
+        context = context if context is not None else ParallelContext.single()
+        validate_parallel(config, context.config)
+        self.config, self.context, self.dtype = config, context, dtype
+        self.mlp_chunk_rows = mlp_chunk_rows
+        self.pre_adapter = RefinerPreAdapter(config)
+        self.block = RefinerBlock(config, dtype)
+        self.post_adapter = RefinerPostAdapter(config)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pre_adapter.video_embedder.weight.device
+
+    def plan(self, packed: RefinerPacked) -> RefinerPlan:
+        """This rank's `RefinerPlan` (host arithmetic, no collective)."""
+        ctx, dev = self.context, self.device
+        counts = sp_token_counts(packed.num_tokens, ctx.config.ulysses_degree)
+        lo, hi = sp_rows(counts, ctx.coords.sp)
+        modality = packed.modality[lo:hi].to(dev)
+        table = rope_table(packed.coords[lo:hi], self.pre_adapter.rope.bands.cpu())
+        cos, sin = split_table(table)
+        return RefinerPlan(counts, lo, hi, modality, _groups(modality), cos.to(dev),
+                           sin.to(dev), attention_plan(packed))
+
+    def _embed(self, packed: RefinerPacked, plan: RefinerPlan) -> torch.Tensor:
+        """This rank's residual `[N_local, C]` in dtype."""
+        x = packed.x[plan.lo : plan.hi].to(self.device)
+        out = torch.zeros(plan.local_tokens, self.config.hidden_size, device=self.device)
+        for m, embedder in enumerate(self.pre_adapter.embedders()):
+            rows = plan.groups[m]
+            if rows.numel():
+                out[rows] = embedder(x[rows, : embedder.weight.shape[1]])
+        return out.to(self.dtype)
+
+    def _post(self, h: torch.Tensor, plan: RefinerPlan) -> torch.Tensor:
+        """`[N_local, C]` -> `[N_local, C_video]` fp32 (rows of other modalities zero)."""
+        post = self.post_adapter
+        out = h.new_zeros((plan.local_tokens, self.config.video_in_channels), dtype=torch.float32)
+        rows = plan.groups[VIDEO]
+        if rows.numel():
+            out[rows] = post.final_linear_video(post.final_norm_video(h[rows]))
+        return out
+
+    @torch.no_grad()
+    def forward_packed(
+        self, packed: RefinerPacked, trace: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """One forward on packed inputs (identical on every SP rank, host tensors).
+        Returns the full `[N, C_video]` fp32 output rows (packed order; text rows zero) on
+        every SP rank. `trace`, when given, receives this rank's rows (packed order, in the
+        dtype they have in the forward) of `embed`, `layer{i}_attn` (the attention branch)
+        and `layer{i}_out` (the residual after layer i)."""
+        plan = self.plan(packed)
+        h = self._embed(packed, plan)
+        if trace is not None:
+            trace["embed"] = h.clone()
+        for i, layer in enumerate(self.block.layers):
+            attn = layer.attention(h, plan, self.context)
+            h = h + attn
+            h = layer.mlp.add_to(h, plan, self.mlp_chunk_rows)
+            if trace is not None:
+                trace[f"layer{i}_attn"], trace[f"layer{i}_out"] = attn.clone(), h.clone()
+        local = self._post(h, plan)
+        sp = self.context.config.ulysses_degree
+        group = self.context.group("sp") if sp > 1 else None
+        return gather_rows(local, group, plan.counts, counters=self.context.counters)
+
+    def forward(self, video: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        """The flow velocity of one forward: video latent `[C_v, T, H, W]` fp32 and text
+        features `[Lt, C_t]` fp32 (identical on every SP rank) -> `[C_v, T, H, W]` fp32 on
+        every SP rank, on the input's device. Raises `ValueError` naming a bad input
+        before any collective."""
+        packed = pack_refiner(video, text, self.config)
+        out = self.forward_packed(packed)
+        return unpack_video(out, packed, self.config.video_in_channels).to(video.device)

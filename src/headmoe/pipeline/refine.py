@@ -1,0 +1,143 @@
+"""The refiner stage of a 1080p request (REFINER.md sections 7-8): handoff from the
+preview, re-noise, and the CFG sampler loop over the refiner.
+
+Handoff: the preview's final video latent `[C, T, H, W]` is resized in fp32 with trilinear
+interpolation (align_corners=True) to `(2T - 1, height // 16, width // 16)` and mixed once
+with fresh Gaussian noise: `x = s x_up + (1 - s^2)^0.5 n`, s = entry 220 of the
+zero-terminal-SNR DDPM table (0.8389104, a *signal* coefficient). The noise is the next
+draw of the request's generator after the preview's noise.
+
+Loop: the released schedule with `REFINER_STEPS` steps at shift `REFINER_SHIFT`
+(timesteps 999, 952, 882, 768, 555), flow UniPC, and at every step two refiner forwards
+(prompt and negative prompt) combined as `v_u + REFINER_GUIDANCE (v_c - v_u)`. The refiner
+never sees the time. The audio is the preview's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from headmoe.config import check_positive_int
+from headmoe.distributed.context import ParallelContext
+from headmoe.models.refiner import Magi2Refiner
+from headmoe.pipeline.sampler import UniPCSampler, cfg_combine, flow_sigmas
+
+#: the refiner's released evaluation fields (REFINER.md section 2)
+REFINER_STEPS = 5
+REFINER_SHIFT = 5.0
+REFINER_GUIDANCE = 2.0
+REFINER_NOISE_INDEX = 220
+#: pixels per refiner latent cell (the VAE's spatial stride) and latent frames per preview
+#: frame interval (the refined clip has 2T - 1 latent frames at twice the preview's fps)
+REFINER_SPATIAL_STRIDE = 16
+REFINER_FPS_FACTOR = 2
+
+
+def zero_snr_table(steps: int = 1000) -> torch.Tensor:
+    """`[steps]` fp32 signal coefficients of the zero-terminal-SNR DDPM table, index i =
+    DDPM step i: betas = linspace(sqrt(0.00085), sqrt(0.012))^2 and their cumulative
+    product in float64, then r = sqrt(alpha_bar) in float32, rescaled to
+    (r - r_last) * (r_0 / (r_0 - r_last)) in float32 (golden `zero_snr.table`, bitwise)."""
+    check_positive_int("steps", steps)
+    betas = torch.linspace(0.00085 ** 0.5, 0.012 ** 0.5, steps, dtype=torch.float64) ** 2
+    alpha_bar = torch.cumprod(1.0 - betas, dim=0).to(torch.float32)
+    r = alpha_bar.sqrt()
+    first, last = r[0].clone(), r[-1].clone()
+    return (r - last) * (first / (first - last))
+
+
+def renoise_signal() -> torch.Tensor:
+    """The re-noise signal coefficient s, a 0-dim fp32 tensor (0.8389104)."""
+    return zero_snr_table()[REFINER_NOISE_INDEX]
+
+
+def refiner_latent_thw(preview_frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The refiner's latent `(2T - 1, height // 16, width // 16)` for a preview latent of
+    T frames and a refiner size in pixels."""
+    return (REFINER_FPS_FACTOR * (preview_frames - 1) + 1, height // REFINER_SPATIAL_STRIDE,
+            width // REFINER_SPATIAL_STRIDE)
+
+
+def upsample_preview(latent: torch.Tensor, thw: tuple[int, int, int]) -> torch.Tensor:
+    """Trilinear resize (align_corners=True, fp32) of a preview latent `[C, T, H, W]` to
+    `[C, *thw]`."""
+    return F.interpolate(latent.float()[None], size=tuple(thw), mode="trilinear",
+                         align_corners=True)[0]
+
+
+def renoise(upsampled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`upsampled * s + noise * (1 - s^2)^0.5` in fp32 (same shapes)."""
+    s = renoise_signal()
+    return upsampled * s + noise * (1 - s**2) ** 0.5
+
+
+def refiner_sampler(steps: int = REFINER_STEPS) -> UniPCSampler:
+    """A fresh flow-UniPC sampler over the refiner's schedule (`steps` at shift 5)."""
+    return UniPCSampler(flow_sigmas(steps, REFINER_SHIFT))
+
+
+#: `predict(x)` -> (v_cond, v_uncond): the two refiner forwards of one step, fp32, x's shape
+Predict = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def refine_latent(
+    predict: Predict, x: torch.Tensor, sampler, steps: int, guidance: float = REFINER_GUIDANCE,
+    on_step: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, list[float]]:
+    """The refine loop from the re-noised latent `x` (any shape, fp32): `steps` sampler
+    steps, each `sampler.step(i, x, v_u + guidance (v_c - v_u))`. Returns the final latent
+    and the step times (s). Elementwise arithmetic on identical inputs: every rank that
+    runs it gets the same bits."""
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        v_cond, v_uncond = predict(x)
+        x = sampler.step(i, x, cfg_combine(v_cond, v_uncond, guidance))
+        times.append(time.perf_counter() - t0)
+        if on_step is not None:
+            on_step(i + 1, steps)
+    return x, times
+
+
+def refiner_predict(ctx: ParallelContext, model: Magi2Refiner, texts: list[torch.Tensor]
+                    ) -> Predict:
+    """The two forwards of a step on this rank's layout: both in turn (CFG 1, each its own
+    forward: the refiner never packs branches), or this rank's branch (CFG rank 0 = prompt,
+    1 = negative prompt) and one all-gather of the velocities over the CFG group."""
+
+    def predict(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if ctx.topology.cfg == 1:
+            return model(x, texts[0]), model(x, texts[1])
+        mine = model(x, texts[ctx.coords.cfg]).contiguous()
+        got = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(got, mine, group=ctx.group("cfg"))
+        return got[0], got[1]
+
+    return predict
+
+
+def refine_stage(
+    ctx: ParallelContext, model: Magi2Refiner, preview: torch.Tensor, texts: list[torch.Tensor],
+    generator: torch.Generator, height: int, width: int, steps: int = REFINER_STEPS,
+    on_step: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, list[float]]:
+    """The refiner stage on one rank: the preview's final video latent `[T, H, W, C]` ->
+    the refined latent `[2T - 1, height // 16, width // 16, C]` fp32 on its device, and the
+    step times. The noise `[C, 2T - 1, H', W']` is the next draw of `generator` (the
+    request's, after the preview's noise), on the host; texts: prompt and negative-prompt
+    features `[L, C_t]`. Identical inputs on every rank give identical bits."""
+    thw = refiner_latent_thw(preview.shape[0], height, width)
+    if min(thw) < 1:
+        raise ValueError(f"refiner latent {thw} for refiner size {height}x{width} is empty; "
+                         f"refiner height and width must be at least {REFINER_SPATIAL_STRIDE}")
+    up = upsample_preview(preview.permute(3, 0, 1, 2), thw)
+    noise = torch.randn(tuple(up.shape), generator=generator).to(up.device)
+    x = renoise(up, noise)
+    x, times = refine_latent(refiner_predict(ctx, model, texts), x, refiner_sampler(steps),
+                             steps, REFINER_GUIDANCE, on_step)
+    return x.permute(1, 2, 3, 0).contiguous(), times
