@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.magi2 import BranchInput, Magi2Transformer, load_checkpoint, pack_branches
-from headmoe.pipeline import figure
+from headmoe.pipeline import i2v as figure
 from headmoe.pipeline import wan_vae as wv
 from tests.models.golden import golden_config, golden_weights
 from tests.pipeline.goldens import golden_file

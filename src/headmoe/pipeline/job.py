@@ -45,6 +45,7 @@ from headmoe.pipeline.health import (
     text_report,
     warn_truncated,
 )
+from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
 from headmoe.pipeline.magi2 import magi2_components
 from headmoe.pipeline.media import (
     quantize_audio,
@@ -81,6 +82,9 @@ class GenerateJob:
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False
     """Check every transformer layer's output for NaN/Inf (``--debug``)."""
+    image: Any = None
+    """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
+    pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
 
     def __post_init__(self) -> None:
         t = self.timeout_s
@@ -151,12 +155,14 @@ def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) ->
 
 
 def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
-             texts: list[torch.Tensor], sigma: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+             texts: list[torch.Tensor], sigma: float, cond: ImageCondition | None = None,
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(cond video, cond audio), (uncond video, uncond audio)] at noise level ``sigma``:
     both branches packed in one forward (CFG1), or this rank's branch and one all-gather of
-    the predictions over the CFG group (CFG2)."""
+    the predictions over the CFG group (CFG2). ``cond``: the image rows both branches carry."""
     mine = [0, 1] if ctx.topology.cfg == 1 else [ctx.coords.cfg]
-    preds = parts.denoiser([BranchInput(xv, xa, texts[b], sigma, sigma) for b in mine])
+    extra = cond.branch_fields() if cond is not None else {}
+    preds = parts.denoiser([BranchInput(xv, xa, texts[b], sigma, sigma, **extra) for b in mine])
     if ctx.topology.cfg == 1:
         return preds
     flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
@@ -169,9 +175,11 @@ def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torc
 def denoise(
     ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise,
     texts: list[torch.Tensor], on_step: Callable[[int, int], None] | None = None,
+    cond: ImageCondition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Step 2: the sampler loop; returns the final video and audio latents and the step
-    times (s). Every rank combines the same predictions with the same arithmetic."""
+    times (s). Every rank combines the same predictions with the same arithmetic. ``cond``:
+    image-to-video's image rows (`headmoe.pipeline.i2v.image_condition`)."""
     req = job.request
     sigmas = flow_sigmas(req.num_inference_steps, req.shift)
     samp_v, samp_a = make_sampler(req.sampler, sigmas), make_sampler(req.sampler, sigmas)
@@ -181,7 +189,7 @@ def denoise(
     for i in range(req.num_inference_steps):
         t0 = time.perf_counter()
         note_step(i)
-        preds = _predict(ctx, parts, xv, xa, texts, sigmas[i])
+        preds = _predict(ctx, parts, xv, xa, texts, sigmas[i], cond)
         check_step(i, req.num_inference_steps, preds, sigmas[i])  # same preds on every rank
         (vc, ac), (vu, au) = preds
         xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
@@ -231,10 +239,13 @@ def run_request(
     t_start = time.perf_counter() if t_start is None else t_start
     req, coords = job.request, ctx.coords
     noise = draw_noise(ctx, req, parts)
-    prompts = (req.prompt, req.negative_prompt)
+    prompt = req.prompt if job.image is None else ensure_figure_token(req.prompt)
+    prompts = (prompt, req.negative_prompt)
     texts, text_counts = encode_prompts(parts.text_encoder, prompts, ctx.device)
     text_info = text_report(parts.text_encoder, prompts, texts, text_counts)
-    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step)
+    cond = None if job.image is None else image_condition(
+        parts, job.image, prompt, texts[0], req.torch_dtype)
+    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step, cond)
     infos = _gather_infos(ctx, step_times)
     result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
               "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
@@ -275,6 +286,8 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
                    "ep_replicas": topo.ep_replicas, "dp_index": coords.dp,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
+        "image": None if job.image is None else {
+            **job.image.describe(), "prompt": ensure_figure_token(req.prompt)},
         "media": {"frames": list(frames.shape), "fps": req.fps,
                   "audio_samples": list(audio.shape),
                   "sample_rate": parts.audio_decoder.sample_rate},

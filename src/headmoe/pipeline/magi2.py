@@ -58,8 +58,8 @@ class Magi2Denoiser:
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded, and either
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
-    each node's first rank, decoders on the output rank) or the stand-in text encoder and
-    decoders sized to the model's channels."""
+    each node's first rank, decoders on the output rank, image encoder on rank 0) or the
+    stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
     with torch.device(ctx.device):  # allocate the weights where they run, not on the host
         model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
@@ -74,6 +74,7 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
             placement.node_text_encoder(ctx, job.release, timeout),
             placement.output_video_decoder(ctx, job.release),
             placement.output_audio_decoder(ctx, job.release),
+            placement.world_image_encoder(ctx, job.release),
         )
     return Components(
         Magi2Denoiser(model),
