@@ -32,6 +32,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 KERNELS = (
     ("headmoe.moe.triton_moe_kernels", "route_kernel"),
     ("headmoe.layers.triton_attention_kernels", "sink_attention_kernel"),
+    ("headmoe.layers.triton_range_attention_kernels", "range_attention_kernel"),
 )
 MISSING = (
     "triton is not installed: the tests marked 'triton' need it (pip install -e '.[dev]'); "

@@ -33,10 +33,10 @@ def model():
 
 def test_released_evaluation_fields():
     ev = golden_json("config.json")["evaluation"]
-    assert REFINER_STEPS == ev["magi2_refiner_num_inference_steps"]
-    assert REFINER_SHIFT == ev["magi2_refiner_shift"]
-    assert REFINER_GUIDANCE == ev["magi2_refiner_video_txt_guidance_scale"]
-    assert REFINER_NOISE_INDEX == ev["magi2_refiner_noise_value"]
+    assert ev["magi2_refiner_num_inference_steps"] == REFINER_STEPS
+    assert ev["magi2_refiner_shift"] == REFINER_SHIFT
+    assert ev["magi2_refiner_video_txt_guidance_scale"] == REFINER_GUIDANCE
+    assert ev["magi2_refiner_noise_value"] == REFINER_NOISE_INDEX
 
 
 def test_zero_snr_table_bitwise():

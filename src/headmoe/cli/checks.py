@@ -88,6 +88,15 @@ def check_seed(seed: int, dp_size: int) -> None:
                         f"+ k, all below 2**63), pick a seed in that range")
 
 
+def check_noise_device(noise_device: str) -> None:
+    """``--noise-device cuda`` needs a CUDA device here (the ranks draw on theirs)."""
+    import torch
+
+    if noise_device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--noise-device cuda draws the noise on the GPU, but no CUDA device "
+                        "is available here; use --noise-device cpu")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """The checks that need only the flags; sets ``args.prompt`` from --prompt-file."""
     args.prompt = read_prompt(args)
@@ -131,9 +140,10 @@ def check_output(output: Path, overwrite: bool, dp_size: int) -> None:
 def check_memory(args: argparse.Namespace, model: Any, request: Any, parallel: Any,
                  world: int) -> None:
     """Refuse a request whose per-rank memory estimate exceeds the limit (see
-    `headmoe.planner.memory`)."""
+    `headmoe.planner.memory`; with ``--offload-layers`` the streamed estimate)."""
     import torch
 
+    from headmoe.cli.plan import stream_settings
     from headmoe.planner.memory import check_fits, estimate_memory, memory_limit
     from headmoe.planner.request import RequestShape
 
@@ -142,7 +152,7 @@ def check_memory(args: argparse.Namespace, model: Any, request: Any, parallel: A
         fps=request.fps, text_tokens=256, uncond_text_tokens=256)
     est = estimate_memory(model, shape, parallel, request.torch_dtype,
                           (request.num_frames, request.height, request.width),
-                          request.audio_samples(44100))
+                          request.audio_samples(44100), stream=stream_settings(args, model.num_layers))
     if args.max_memory_gib is not None:
         limit, source = int(args.max_memory_gib * GIB), "--max-memory-gib"
     else:

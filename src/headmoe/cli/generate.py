@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.cli import checks
+from headmoe.cli.plan import add_stream_arguments
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
 from headmoe.pipeline.release import VIDEO_DECODERS
-from headmoe.pipeline.request import DTYPES, GenerateRequest
+from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
 _REQ_DEFAULTS = {f.name: f.default for f in fields(GenerateRequest)}
@@ -49,6 +50,8 @@ FLAGS: dict[str, str] = {
             "timeout",
             "video_decoder",
             "offload",
+            "offload_layers",
+            "resident_layers",
         )
     },
     "world_size": "--nproc",
@@ -80,7 +83,8 @@ def register(subparsers: Any) -> None:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """--model, --model-config, --video-decoder, --offload, --cache-dir."""
+    """--model, --model-config, --video-decoder, --offload, --offload-layers,
+    --resident-layers, --cache-dir."""
     p.add_argument(
         "--model",
         default="tiny",
@@ -107,6 +111,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         help="release folders: keep the text encoder and decoders on the host between uses "
         "(moved to the device only while they run)",
     )
+    add_stream_arguments(p)
     p.add_argument(
         "--cache-dir",
         default="~/.cache/headmoe",
@@ -152,8 +157,14 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--audio-guidance-scale", type=float, default=d["audio_guidance_scale"])
     p.add_argument("--shift", type=float, default=d["shift"], help="flow-matching time shift")
-    p.add_argument("--sampler", choices=SAMPLERS, default=d["sampler"])
+    p.add_argument("--sampler", choices=SAMPLERS, default=d["sampler"],
+                   help="the released UniPC scheduler (docs/pipeline.md section 3)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=d["dtype"])
+    p.add_argument(
+        "--noise-device", choices=NOISE_DEVICES, default=d["noise_device"],
+        help="generator of the initial noise: cpu gives the same bytes on every layout and "
+        "machine; cuda draws on the GPU as the reference does (values depend on the GPU model)",
+    )
 
 
 def _add_layout_flags(p: argparse.ArgumentParser) -> None:
@@ -228,6 +239,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
                 f"{parallel.data_parallel_size} = {parallel.world_size}"
             )
         plan_topology(world, parallel)
+        checks.check_noise_device(request.noise_device)
         if args.timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {args.timeout!r}")
         output = Path(args.output)
@@ -248,6 +260,8 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         check_layers=getattr(args, "debug", False),
+        offload_layers=getattr(args, "offload_layers", False),
+        resident_layers=getattr(args, "resident_layers", 0),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
         release=release,
         image=image,

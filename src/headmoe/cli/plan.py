@@ -15,8 +15,10 @@ from typing import Any
 
 from headmoe.cli.errors import UserError, run_guarded
 from headmoe.models.magi2.config import PRESETS, get_config
+from headmoe.models.streaming import DEFAULT_SLOTS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
+from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
 from headmoe.planner.plan import GIB, LayoutPlan, plan_world
 from headmoe.planner.request import RequestShape
 
@@ -41,6 +43,36 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="text tokens of the unconditional branch (default: --text-tokens)",
     )
+
+
+def add_stream_arguments(p: argparse.ArgumentParser) -> None:
+    """`--offload-layers` and `--resident-layers` (plan and generate)."""
+    p.add_argument(
+        "--offload-layers",
+        action="store_true",
+        help="stream each rank's transformer layer weights from the checkpoint's files, "
+        f"{DEFAULT_SLOTS} layers on the device at a time (docs/guide.md, 'Fewer GPUs')",
+    )
+    p.add_argument(
+        "--resident-layers",
+        type=int,
+        default=0,
+        help="with --offload-layers: keep the first N layers on the device (spare memory, "
+        "fewer bytes moved per step; default 0)",
+    )
+
+
+def stream_settings(args: argparse.Namespace, num_layers: int) -> StreamSettings | None:
+    """The `StreamSettings` of the flags (None without --offload-layers); `UserError`
+    naming the flag for a bad value."""
+    if not args.offload_layers:
+        if args.resident_layers:
+            raise UserError(f"--resident-layers {args.resident_layers} needs --offload-layers")
+        return None
+    if not 0 <= args.resident_layers <= num_layers:
+        raise UserError(f"--resident-layers must be in [0, {num_layers}] (the model's "
+                        f"layers), got {args.resident_layers}")
+    return StreamSettings(args.resident_layers)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -84,6 +116,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--offload",
         action="store_true",
         help="encoder and decoders kept on the host between uses (not counted on the device)",
+    )
+    add_stream_arguments(p)
+    p.add_argument(
+        "--h2d-gbps",
+        type=float,
+        default=DEFAULT_H2D_GBPS,
+        help="host-to-device GB/s per GPU the streamed step-time bound assumes (default "
+        f"{DEFAULT_H2D_GBPS:g})",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
@@ -162,6 +202,29 @@ def _row(p: LayoutPlan, autos: set[tuple]) -> tuple[str, ...]:
     )
 
 
+def format_stream_table(plans: list[LayoutPlan]) -> str:
+    """The `--offload-layers` numbers of each layout as a Markdown table."""
+    first = plans[0].streaming
+    head = ("SP x CFG x DP", "EP", "MoE exchange", "non-layer GiB",
+            f"resident layers ({first.estimate.resident_layers}) GiB",
+            f"in flight ({first.estimate.slots} slots) GiB", "activations GiB",
+            "device GiB/rank", "host GiB/node", "pinned GiB/rank", "GB moved/step",
+            f"step >= s at {first.h2d_gbps:g} GB/s", "resident layers that fit", "pick")
+    rows = [head, tuple("---" for _ in head)]
+    for p in plans:
+        st, e, par = p.streaming, p.streaming.estimate, p.parallel
+        fit = "-" if st.max_resident_layers is None else str(st.max_resident_layers)
+        rows.append((
+            f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
+            str(p.expert_parallel_size), p.moe_exchange, f"{e.non_layer_bytes / GIB:,.2f}",
+            f"{e.resident_bytes / GIB:,.2f}", f"{e.in_flight_bytes / GIB:,.2f}",
+            f"{st.activation_bytes / GIB:,.2f}",
+            f"{st.device_bytes / GIB:,.2f}", f"{st.host_bytes_per_node / GIB:,.2f}",
+            f"{e.pinned_bytes / GIB:,.2f}", f"{e.bytes_per_step / 1e9:,.1f}",
+            f"{st.step_time_s:,.2f}", fit, "**recommended**" if p.recommended else ""))
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
     if args.world_size < 1:
@@ -174,8 +237,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--release {args.release!r} is not a folder; pass the release's "
                         "root folder")
     parts = component_bytes(args.release or args.model, args.video_decoder)
+    stream = stream_settings(args, model.num_layers)
+    if not args.h2d_gbps > 0:
+        raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
-                               parts, args.ranks_per_node, args.offload)
+                               parts, args.ranks_per_node, args.offload, stream, args.h2d_gbps)
     if args.json:
         print(
             json.dumps(
@@ -210,6 +276,11 @@ def run(args: argparse.Namespace) -> int:
             f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
         )
         print(format_table(plans, reason))
+        if stream is not None:
+            print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
+                  "page cache of the checkpoint's streamed bytes the node's ranks read, "
+                  "once, plus each rank's pinned slots):\n")
+            print(format_stream_table(plans))
         best = next(p for p in plans if p.recommended)
         if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
             print(f"\nNote: with the text encoder and decoders on the device its busiest rank "

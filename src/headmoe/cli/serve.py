@@ -72,7 +72,8 @@ def register(subparsers: Any) -> None:
 #: generate flags a server fixes for every request (its outputs are server-named files;
 #: the memory check is the server's own, against --memory-gib)
 GENERATE_ONLY = {"overwrite": True, "max_memory_gib": None, "check_weights": False,
-                 "prompt_file": None, "video_decoder": None, "offload": False}
+                 "prompt_file": None, "video_decoder": None, "offload": False,
+                 "offload_layers": False, "resident_layers": 0}
 
 
 def _memory_budget(args: argparse.Namespace, world: int) -> int | None:

@@ -35,6 +35,12 @@ class Counters:
     exchanges: list[ExchangeRecord] = field(default_factory=list)
     """Every recorded collective, in call order."""
 
+    streamed_bytes: list[int] = field(default_factory=list)
+    """Weight bytes moved to the device per streamed layer run (`--offload-layers`)."""
+
+    def record_stream(self, nbytes: int) -> None:
+        self.streamed_bytes.append(int(nbytes))
+
     def record_moe_rows(self, rows: int) -> None:
         self.moe_rows.append(int(rows))
 
@@ -44,6 +50,7 @@ class Counters:
     def reset(self) -> None:
         self.moe_rows.clear()
         self.exchanges.clear()
+        self.streamed_bytes.clear()
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready totals: MoE calls, rows (total and max per call), and bytes per
@@ -59,4 +66,6 @@ class Counters:
             "moe_rows_total": sum(self.moe_rows),
             "moe_rows_max_per_call": max(self.moe_rows, default=0),
             "exchanges": kinds,
+            "streamed_layers": len(self.streamed_bytes),
+            "streamed_bytes": sum(self.streamed_bytes),
         }

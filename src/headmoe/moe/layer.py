@@ -135,10 +135,19 @@ class MultiHeadMoE(nn.Module):
                 state_dict[key] = fit_rows(
                     key, state_dict[key], self.row_start, self.row_stop, local, full
                 )
-        ema = prefix + "router.expert_bias_ema"
-        if self.config.bias_from_ema and ema in state_dict:
-            state_dict[prefix + "router.expert_bias"] = state_dict[ema]
+        bias = prefix + "router.expert_bias"
+        source = prefix + self.source_name("router.expert_bias")
+        if source != bias and source in state_dict:
+            state_dict[bias] = state_dict[source]
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def source_name(self, name: str) -> str:
+        """The checkpoint tensor (name relative to this module) whose values the local
+        tensor `name` takes: itself, except `router.expert_bias`, which takes
+        `router.expert_bias_ema` with `config.bias_from_ema`."""
+        if name == "router.expert_bias" and self.config.bias_from_ema:
+            return "router.expert_bias_ema"
+        return name
 
     # ------------------------------------------------------------------ compute
     def compute_heads(self, z: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,15 @@
 
 Every rank of a request runs `run_job` with the same `GenerateJob`:
 
-1. Noise: one CPU `torch.Generator` seeded with ``seed + dp_index`` (DP group k runs the
-   request with seed ``seed + k``); video noise ``[T_lat, H_lat, W_lat, C_video]`` is drawn
-   before audio noise ``[T_audio, C_audio]``, so every rank of a DP group holds the same
-   noise whatever the layout.
-2. Each step the rank's SP group runs the transformer on its branches: with
+1. Noise, drawn as the release draws it: one generator seeded with ``seed + dp_index`` (DP
+   group k runs the request with seed ``seed + k``), then video ``randn(1, C_video, T_lat,
+   H_lat, W_lat)`` first and audio ``randn(1, T_audio, C_audio)`` second, kept as
+   ``[T_lat, H_lat, W_lat, C_video]`` and ``[T_audio, C_audio]``. On the CPU generator
+   (default) every rank of a DP group holds the same noise whatever the layout or device;
+   ``noise_device="cuda"`` draws on the rank's CUDA generator as the reference does.
+2. Each step ``i`` (the released schedule, `headmoe.pipeline.sampler`) the rank's SP group
+   runs the transformer at the integer timestep ``t_i`` (model time ``float32(t_i)/1000``)
+   on its branches: with
    ``cfg_parallel_size=1`` both ``[cond, uncond]`` packed in one forward; with 2 only the
    branch of its CFG rank (0 = cond, 1 = uncond), and the predictions are all-gathered over
    the CFG group (one collective). Every rank then combines them,
@@ -38,6 +42,7 @@ from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput
+from headmoe.models.streaming import split_layers
 from headmoe.pipeline.encoders import Components, TextEncoder
 from headmoe.pipeline.health import (
     check_media,
@@ -55,7 +60,7 @@ from headmoe.pipeline.media import (
     write_sidecar,
 )
 from headmoe.pipeline.request import GenerateRequest
-from headmoe.pipeline.sampler import cfg_combine, flow_sigmas, make_sampler
+from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
 
 
@@ -85,11 +90,19 @@ class GenerateJob:
     image: Any = None
     """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
     pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
+    offload_layers: bool = False
+    """Stream the transformer's layer weights from the checkpoint (``--offload-layers``,
+    `headmoe.models.streaming`); the first ``resident_layers`` layers stay resident."""
+    resident_layers: int = 0
 
     def __post_init__(self) -> None:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
+        if self.offload_layers:
+            split_layers(self.model_config.num_layers, self.resident_layers)
+        elif self.resident_layers:
+            raise ValueError(f"resident_layers={self.resident_layers!r} needs offload_layers")
 
 
 def encode_prompts(
@@ -134,7 +147,7 @@ def build_components(ctx: ParallelContext, job: GenerateJob) -> Components:
 class Noise:
     """The initial latents of one request on one rank: video ``[T_lat, H_lat, W_lat, C_v]``
     and audio ``[T_audio, C_a]`` fp32 on the rank's device, from one generator seeded with
-    ``seed`` (video drawn first), identical on every rank of a DP group."""
+    ``seed`` (video drawn first, in the release's ``[1, C_v, T, H, W]`` layout)."""
 
     seed: int
     video: torch.Tensor
@@ -142,27 +155,43 @@ class Noise:
     num_samples: int
 
 
+def noise_generator(seed: int, device: str, ctx_device: torch.device) -> torch.Generator:
+    """The generator of the noise: every bit of ``seed`` on the CPU (`seeded_generator`),
+    or the CUDA generator of the rank's device seeded with ``seed`` (``device="cuda"``,
+    the reference's draw: its values depend on the GPU model)."""
+    if device == "cpu":
+        return seeded_generator(seed)
+    if ctx_device.type != "cuda":
+        raise ValueError(f"noise_device='cuda' needs ranks on CUDA devices, this rank runs "
+                         f"on {ctx_device}")
+    return torch.Generator(device=ctx_device).manual_seed(seed)
+
+
 def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) -> Noise:
-    """Step 1: the noise of DP group ``coords.dp`` (seed ``req.seed + dp``)."""
-    shape = parts.video_decoder.latent_shape(req.num_frames, req.height, req.width)
+    """Step 1: the noise of DP group ``coords.dp`` (seed ``req.seed + dp``), drawn as the
+    release draws it: ``randn(1, C_v, T, H, W)`` then ``randn(1, T_audio, C_a)``."""
+    t, h, w = parts.video_decoder.latent_shape(req.num_frames, req.height, req.width)
     t_audio = parts.audio_decoder.latent_length(req.duration_s)
     seed = req.seed + ctx.coords.dp
-    gen = seeded_generator(seed)  # every bit of the seed (manual_seed keeps 32)
-    xv = torch.randn((*shape, parts.video_decoder.latent_channels), generator=gen)
-    xa = torch.randn((t_audio, parts.audio_decoder.latent_channels), generator=gen)
-    return Noise(seed, xv.to(ctx.device), xa.to(ctx.device),
-                 req.audio_samples(parts.audio_decoder.sample_rate))
+    gen = noise_generator(seed, req.noise_device, ctx.device)
+    dev = gen.device
+    xv = torch.randn((1, parts.video_decoder.latent_channels, t, h, w), generator=gen,
+                     device=dev)
+    xa = torch.randn((1, t_audio, parts.audio_decoder.latent_channels), generator=gen,
+                     device=dev)
+    return Noise(seed, xv[0].permute(1, 2, 3, 0).contiguous().to(ctx.device),
+                 xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate))
 
 
 def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
-             texts: list[torch.Tensor], sigma: float, cond: ImageCondition | None = None,
+             texts: list[torch.Tensor], tau: float, cond: ImageCondition | None = None,
              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """[(cond video, cond audio), (uncond video, uncond audio)] at noise level ``sigma``:
+    """[(cond video, cond audio), (uncond video, uncond audio)] at model time ``tau``:
     both branches packed in one forward (CFG1), or this rank's branch and one all-gather of
     the predictions over the CFG group (CFG2). ``cond``: the image rows both branches carry."""
     mine = [0, 1] if ctx.topology.cfg == 1 else [ctx.coords.cfg]
     extra = cond.branch_fields() if cond is not None else {}
-    preds = parts.denoiser([BranchInput(xv, xa, texts[b], sigma, sigma, **extra) for b in mine])
+    preds = parts.denoiser([BranchInput(xv, xa, texts[b], tau, tau, **extra) for b in mine])
     if ctx.topology.cfg == 1:
         return preds
     flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
@@ -181,16 +210,16 @@ def denoise(
     times (s). Every rank combines the same predictions with the same arithmetic. ``cond``:
     image-to-video's image rows (`headmoe.pipeline.i2v.image_condition`)."""
     req = job.request
-    sigmas = flow_sigmas(req.num_inference_steps, req.shift)
-    samp_v, samp_a = make_sampler(req.sampler, sigmas), make_sampler(req.sampler, sigmas)
+    schedule = released_schedule(req.num_inference_steps, req.shift)
+    samp_v, samp_a = make_sampler(req.sampler, schedule), make_sampler(req.sampler, schedule)
     xv, xa, step_times = noise.video, noise.audio, []
     bar = tqdm(total=req.num_inference_steps, desc="denoising", unit="step",
                disable=not (job.progress and ctx.rank == 0))
     for i in range(req.num_inference_steps):
         t0 = time.perf_counter()
         note_step(i)
-        preds = _predict(ctx, parts, xv, xa, texts, sigmas[i], cond)
-        check_step(i, req.num_inference_steps, preds, sigmas[i])  # same preds on every rank
+        preds = _predict(ctx, parts, xv, xa, texts, schedule.model_time(i), cond)
+        check_step(i, req.num_inference_steps, preds, schedule.sigma(i))  # same on every rank
         (vc, ac), (vu, au) = preds
         xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
         xa = samp_a.step(i, xa, cfg_combine(ac, au, req.audio_guidance_scale))
@@ -284,6 +313,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "layout": {**job.parallel.to_dict(), "world_size": ctx.world_size,
                    "resolved_expert_parallel_size": topo.expert_parallel_size,
                    "ep_replicas": topo.ep_replicas, "dp_index": coords.dp,
+                   "offload_layers": job.offload_layers, "resident_layers": job.resident_layers,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
         "image": None if job.image is None else {

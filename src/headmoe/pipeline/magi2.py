@@ -26,6 +26,7 @@ from headmoe.models.magi2 import (
     load_checkpoint,
     write_random_checkpoint,
 )
+from headmoe.models.magi2.loading import stream_layers
 from headmoe.pipeline import placement
 from headmoe.pipeline.encoders import (
     ByteTextEncoder,
@@ -56,14 +57,21 @@ class Magi2Denoiser:
 
 
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
-    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded, and either
+    """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
+    ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
     each node's first rank, decoders on the output rank, image encoder on rank 0) or the
     stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
-    with torch.device(ctx.device):  # allocate the weights where they run, not on the host
-        model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
-    load_checkpoint(model, job.checkpoint)
+    if job.offload_layers:  # the layers' weights stream from the checkpoint's files
+        model, streamer = stream_layers(
+            cfg, ctx, job.request.torch_dtype, job.checkpoint,
+            resident_layers=job.resident_layers, timeout_s=job.timeout_s)
+        model.streamer = streamer  # lives (and streams) as long as the model
+    else:
+        with torch.device(ctx.device):  # allocate the weights where they run, not on the host
+            model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
+        load_checkpoint(model, job.checkpoint)
     model.eval()
     if job.check_layers:
         watch_layers(model)

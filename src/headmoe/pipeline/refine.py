@@ -19,10 +19,13 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from headmoe.config import check_positive_int
-from headmoe.pipeline.sampler import cfg_combine
+from headmoe.distributed.context import ParallelContext
+from headmoe.models.refiner import Magi2Refiner
+from headmoe.pipeline.sampler import UniPCSampler, cfg_combine, flow_sigmas
 
 #: the refiner's released evaluation fields (REFINER.md section 2)
 REFINER_STEPS = 5
@@ -73,6 +76,11 @@ def renoise(upsampled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return upsampled * s + noise * (1 - s**2) ** 0.5
 
 
+def refiner_sampler(steps: int = REFINER_STEPS) -> UniPCSampler:
+    """A fresh flow-UniPC sampler over the refiner's schedule (`steps` at shift 5)."""
+    return UniPCSampler(flow_sigmas(steps, REFINER_SHIFT))
+
+
 #: `predict(x)` -> (v_cond, v_uncond): the two refiner forwards of one step, fp32, x's shape
 Predict = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -94,3 +102,42 @@ def refine_latent(
         if on_step is not None:
             on_step(i + 1, steps)
     return x, times
+
+
+def refiner_predict(ctx: ParallelContext, model: Magi2Refiner, texts: list[torch.Tensor]
+                    ) -> Predict:
+    """The two forwards of a step on this rank's layout: both in turn (CFG 1, each its own
+    forward: the refiner never packs branches), or this rank's branch (CFG rank 0 = prompt,
+    1 = negative prompt) and one all-gather of the velocities over the CFG group."""
+
+    def predict(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if ctx.topology.cfg == 1:
+            return model(x, texts[0]), model(x, texts[1])
+        mine = model(x, texts[ctx.coords.cfg]).contiguous()
+        got = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(got, mine, group=ctx.group("cfg"))
+        return got[0], got[1]
+
+    return predict
+
+
+def refine_stage(
+    ctx: ParallelContext, model: Magi2Refiner, preview: torch.Tensor, texts: list[torch.Tensor],
+    generator: torch.Generator, height: int, width: int, steps: int = REFINER_STEPS,
+    on_step: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, list[float]]:
+    """The refiner stage on one rank: the preview's final video latent `[T, H, W, C]` ->
+    the refined latent `[2T - 1, height // 16, width // 16, C]` fp32 on its device, and the
+    step times. The noise `[C, 2T - 1, H', W']` is the next draw of `generator` (the
+    request's, after the preview's noise), on the host; texts: prompt and negative-prompt
+    features `[L, C_t]`. Identical inputs on every rank give identical bits."""
+    thw = refiner_latent_thw(preview.shape[0], height, width)
+    if min(thw) < 1:
+        raise ValueError(f"refiner latent {thw} for refiner size {height}x{width} is empty; "
+                         f"refiner height and width must be at least {REFINER_SPATIAL_STRIDE}")
+    up = upsample_preview(preview.permute(3, 0, 1, 2), thw)
+    noise = torch.randn(tuple(up.shape), generator=generator).to(up.device)
+    x = renoise(up, noise)
+    x, times = refine_latent(refiner_predict(ctx, model, texts), x, refiner_sampler(steps),
+                             steps, REFINER_GUIDANCE, on_step)
+    return x.permute(1, 2, 3, 0).contiguous(), times

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headmoe.files import entry_problem
+
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
 MODEL_CONFIG = "config.json"
@@ -147,8 +149,8 @@ def find_release(
     files.append(f"{TEXT_ENCODER_DIR}/" + (index.name if index.exists() else "model.safetensors"))
     problems = [] if transformer else [f"{PREVIEW_DIR}/*{INDEX_SUFFIX} (missing)"]
     for rel in ([str(Path(transformer).relative_to(base))] if transformer else []) + files:
-        path = base / rel
-        why = "missing" if not path.is_file() else _unreadable(path)
+        why, real = entry_problem(base, rel)  # confined to the folder, never a FIFO
+        why = why or _unreadable(Path(real))
         if why:
             problems.append(f"{rel} ({why})")
     if problems:

@@ -7,7 +7,9 @@
 The estimate is deliberately simple and on the high side (a bound, not a prediction):
 
 - weights: `weight_bytes` of the busiest EP rank (exact: the modules as built), plus the
-  loader's host batch (at most 1 GiB) while the checkpoint streams in;
+  loader's host batch (at most 1 GiB) while the checkpoint streams in; with layer streaming
+  (`StreamSettings`, `--offload-layers`) the weights outside the layers, the resident layers
+  and the slots instead (`stream_estimate`; `stream_host_bytes` for the host side);
 - activations of one layer at the request's size: the state `[T_local, n, C]` with its mHC
   copies, the dense/MoE MLP intermediates of the local rows, and attention over the full
   sequence for this rank's heads (q, k, v widened to fp32 plus their head-major copies);
@@ -28,14 +30,122 @@ from dataclasses import dataclass
 import torch
 
 from headmoe.config import ParallelConfig
+from headmoe.distributed.sharding import head_shard
+from headmoe.distributed.topology import Topology
 from headmoe.models.magi2.config import Magi2Config
-from headmoe.planner.predict import sequence_counts, weight_bytes
+from headmoe.models.streaming import DEFAULT_SLOTS, check_slots, split_layers
+from headmoe.planner.predict import (
+    expert_bytes_per_head,
+    layer_bytes,
+    layout_topology,
+    sequence_counts,
+    weight_bytes,
+)
 from headmoe.planner.request import RequestShape
 
 GIB = 1 << 30
 LOAD_BATCH_BYTES = 1 << 30
 #: live copies of the state / MLP activations / attention tensors in one layer (bounds)
 STATE_COPIES, MLP_COPIES, ATTENTION_COPIES = 6, 3, 6
+
+
+#: host-to-device bandwidth per GPU the streaming step-time bound assumes by default, GB/s
+#: (about what pinned copies reach over PCIe Gen5 x16, of 64 GB/s theoretical)
+DEFAULT_H2D_GBPS = 25.0
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """`--offload-layers`: the first `resident_layers` layers stay on the device, the others
+    stream through `slots` slot buffers (`headmoe.models.streaming`)."""
+
+    resident_layers: int = 0
+    slots: int = DEFAULT_SLOTS
+
+    def __post_init__(self) -> None:
+        check_slots(self.slots)
+
+
+@dataclass(frozen=True)
+class StreamEstimate:
+    """Layer streaming on one rank: device bytes of the weights outside the layers, of the
+    resident layers and of the slots (weights in flight); bytes moved per denoising step
+    (one forward); pinned host staging (CUDA: one host slot per device slot)."""
+
+    slots: int
+    resident_layers: int
+    streamed_layers: int
+    non_layer_bytes: int
+    resident_bytes: int
+    in_flight_bytes: int
+    bytes_per_step: int
+    pinned_bytes: int
+
+    @property
+    def device_weight_bytes(self) -> int:
+        return self.non_layer_bytes + self.resident_bytes + self.in_flight_bytes
+
+    def step_time_s(self, h2d_gbps: float) -> float:
+        """Lower bound of one step's time: its bytes at `h2d_gbps` GB/s."""
+        return self.bytes_per_step / (h2d_gbps * 1e9)
+
+
+def stream_estimate(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch.dtype,
+                    settings: StreamSettings) -> StreamEstimate:
+    """`StreamEstimate` of EP rank `ep_rank` of `ep_size` (exact: the modules as built and
+    the streamer's slot rule). Raises `ValueError` naming `resident_layers`."""
+    resident, streamed = split_layers(model.num_layers, settings.resident_layers)
+    per_layer = layer_bytes(model, ep_size, ep_rank, dtype)
+    layers = sum(b for b, _ in per_layer)
+    slot = max((per_layer[i][1] for i in streamed), default=0)
+    slots = min(settings.slots, len(streamed)) * slot
+    moved = sum(per_layer[i][0] for i in streamed) if len(streamed) > settings.slots else 0
+    return StreamEstimate(
+        settings.slots, len(resident), len(streamed),
+        weight_bytes(model, ep_size, ep_rank, dtype)[1] - layers,
+        sum(per_layer[i][0] for i in resident), slots, moved, slots)
+
+
+def busiest_stream(model: Magi2Config, parallel: ParallelConfig, dtype: torch.dtype,
+                   settings: StreamSettings) -> StreamEstimate:
+    """The `StreamEstimate` of the EP rank with the most device weight bytes."""
+    ep = parallel.resolved_expert_parallel_size()
+    return max((stream_estimate(model, ep, r, dtype, settings) for r in range(ep)),
+               key=lambda s: (s.device_weight_bytes, s.bytes_per_step))
+
+
+def stream_host_bytes(model: Magi2Config, parallel: ParallelConfig, dtype: torch.dtype,
+                      settings: StreamSettings, ranks_per_node: int) -> int:
+    """Host bytes the busiest node needs to stream without reading the disk each step: the
+    streamed layers' checkpoint bytes its ranks read, once (the page cache of the mapped
+    files is shared by the node's ranks: dense weights once, the expert rows of every head
+    any of its ranks holds once), plus each rank's pinned host slots."""
+    topo = layout_topology(model, parallel)
+    stored = model.torch_params_dtype
+    _, streamed = split_layers(model.num_layers, settings.resident_layers)
+    per_layer = layer_bytes(model, 1, 0, stored)
+    per_head = expert_bytes_per_head(model, stored)
+    heads = model.moe_num_heads
+    dense = sum(per_layer[i][0] for i in streamed) - per_head * heads * sum(
+        i in model.moe_layer_ids for i in streamed)
+    moe_streamed = sum(i in model.moe_layer_ids for i in streamed)
+    pinned = busiest_stream(model, parallel, dtype, settings).pinned_bytes
+    worst = 0
+    for first in range(0, topo.world_size, ranks_per_node):
+        ranks = range(first, min(first + ranks_per_node, topo.world_size))
+        held = _node_heads(model, topo, ranks)
+        worst = max(worst, dense + per_head * held * moe_streamed + pinned * len(ranks))
+    return worst
+
+
+def _node_heads(model: Magi2Config, topo: Topology, ranks: range) -> int:
+    """Real MoE heads held by at least one of `ranks`."""
+    e = topo.expert_parallel_size
+    held = set()
+    for r in ranks:
+        shard = head_shard(model.moe_num_heads, e, topo.coords(r).ep)
+        held.update(range(shard.first, shard.stop))
+    return len(held)
 
 
 @dataclass(frozen=True)
@@ -71,11 +181,16 @@ def _activation_bytes(model: Magi2Config, local: int, full: int, heads: int) -> 
 def estimate_memory(
     model: Magi2Config, request: RequestShape, parallel: ParallelConfig, dtype: torch.dtype,
     frames: tuple[int, int, int] = (0, 0, 0), audio_samples: int = 0,
+    stream: StreamSettings | None = None,
 ) -> MemoryEstimate:
     """The busiest rank's `MemoryEstimate` for `request` under `parallel` (`frames`:
-    (num_frames, height, width) of the decoded clip; `audio_samples` of the waveform)."""
+    (num_frames, height, width) of the decoded clip; `audio_samples` of the waveform;
+    `stream`: the layers stream, weights = `busiest_stream(...).device_weight_bytes`)."""
     ep = parallel.resolved_expert_parallel_size()
-    weights = max(weight_bytes(model, ep, r, dtype)[1] for r in range(ep))
+    if stream is not None:
+        weights = busiest_stream(model, parallel, dtype, stream).device_weight_bytes
+    else:
+        weights = max(weight_bytes(model, ep, r, dtype)[1] for r in range(ep))
     load = min(LOAD_BATCH_BYTES, weights)
     sp = parallel.ulysses_degree
     acts = work = 0

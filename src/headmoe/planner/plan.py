@@ -13,6 +13,15 @@ from headmoe.distributed.counters import Counters
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.planner.components import ComponentBytes, component_bytes_per_rank
 from headmoe.planner.layouts import enumerate_layouts, layout_name
+from headmoe.planner.memory import (
+    DEFAULT_H2D_GBPS,
+    MemoryEstimate,
+    StreamEstimate,
+    StreamSettings,
+    busiest_stream,
+    estimate_memory,
+    stream_host_bytes,
+)
 from headmoe.planner.predict import (
     forward_counters,
     layout_topology,
@@ -23,6 +32,62 @@ from headmoe.planner.predict import (
 from headmoe.planner.request import RequestShape
 
 GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class StreamReport:
+    """`--offload-layers` on one layout (the busiest rank): the weights' `estimate`, the
+    device bytes the admission check counts (`estimate_memory` with the stream: weights,
+    activations, exchange workspace), the host bytes of the busiest node, the assumed
+    host-to-device GB/s, and the most resident layers that fit the memory budget (None: no
+    budget)."""
+
+    estimate: StreamEstimate
+    device_bytes: int
+    activation_bytes: int
+    """Activations and exchange workspace (the rest of `device_bytes` beyond the weights is
+    the loader's host batch)."""
+    host_bytes_per_node: int
+    h2d_gbps: float
+    max_resident_layers: int | None
+
+    @property
+    def step_time_s(self) -> float:
+        return self.estimate.step_time_s(self.h2d_gbps)
+
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "slots": e.slots, "resident_layers": e.resident_layers,
+            "streamed_layers": e.streamed_layers, "non_layer_bytes": e.non_layer_bytes,
+            "resident_layer_bytes": e.resident_bytes, "in_flight_bytes": e.in_flight_bytes,
+            "activation_bytes": self.activation_bytes,
+            "device_bytes_per_rank": self.device_bytes,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "pinned_bytes_per_rank": e.pinned_bytes, "bytes_per_step": e.bytes_per_step,
+            "h2d_gbps": self.h2d_gbps, "step_time_lower_bound_s": self.step_time_s,
+            "max_resident_layers": self.max_resident_layers,
+        }
+
+
+def stream_report(model: Magi2Config, request: RequestShape, parallel: ParallelConfig,
+                  dtype: torch.dtype, settings: StreamSettings, ranks_per_node: int,
+                  h2d_gbps: float = DEFAULT_H2D_GBPS,
+                  memory_bytes: int | None = None) -> StreamReport:
+    """The `StreamReport` of one layout (the numbers `generate`'s admission check uses)."""
+    def device(s: StreamSettings) -> MemoryEstimate:
+        return estimate_memory(model, request, parallel, dtype, stream=s)
+
+    best = None
+    if memory_bytes is not None:
+        fit = [n for n in range(model.num_layers + 1)
+               if device(StreamSettings(n, settings.slots)).total <= memory_bytes]
+        best = max(fit, default=None)
+    est = device(settings)
+    return StreamReport(busiest_stream(model, parallel, dtype, settings), est.total,
+                        est.activations + est.workspace,
+                        stream_host_bytes(model, parallel, dtype, settings, ranks_per_node),
+                        h2d_gbps, best)
 
 
 def _sent(c: Counters, *kinds: str) -> int:
@@ -63,6 +128,15 @@ class LayoutPlan:
     """Device bytes of the video + audio decoders on each output rank."""
     device_bytes_per_rank: tuple[int, ...] = ()
     """Transformer + components on each rank (`headmoe.planner.components`)."""
+    streaming: StreamReport | None = None
+    """With `--offload-layers`: the streamed layout's device, host and copy numbers."""
+
+    @property
+    def fit_bytes(self) -> int:
+        """What must fit the memory budget: the transformer weights, or with streaming the
+        streamed device estimate (weights in flight, resident, activations)."""
+        return self.weight_bytes_per_rank if self.streaming is None else (
+            self.streaming.device_bytes)
 
     @property
     def busiest_rank_bytes(self) -> int:
@@ -96,16 +170,20 @@ class LayoutPlan:
             "device_bytes_per_rank": list(self.device_bytes_per_rank),
             "busiest_rank_bytes": self.busiest_rank_bytes,
             "recommended": self.recommended,
+            "streaming": None if self.streaming is None else self.streaming.to_dict(),
         }
 
 
 def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelConfig,
                 dtype: torch.dtype = torch.bfloat16, components: ComponentBytes | None = None,
-                ranks_per_node: int | None = None, offload: bool = False) -> LayoutPlan:
+                ranks_per_node: int | None = None, offload: bool = False,
+                stream: StreamSettings | None = None, h2d_gbps: float = DEFAULT_H2D_GBPS,
+                memory_bytes: int | None = None) -> LayoutPlan:
     """Predict one layout for one request (see `LayoutPlan`); `dtype` is the transformer's
     dtype (linears, experts and the activations they exchange). With `components` the
     text encoder and decoders are placed as the pipeline places them
-    (`component_bytes_per_rank`; `ranks_per_node` defaults to the whole world)."""
+    (`component_bytes_per_rank`; `ranks_per_node` defaults to the whole world). With
+    `stream` the layers stream (`stream_report`, at `h2d_gbps` and `memory_bytes`)."""
     topo = layout_topology(model, parallel)
     moe_layers = len(model.moe_layer_ids)
     e = topo.expert_parallel_size
@@ -125,8 +203,13 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
                          0, sequence_counts(request, parallel, 0))
     weights = [weight_bytes(model, e, ep, dtype) for ep in range(e)]
     parts = components or ComponentBytes(0, 0, 0)
-    held = component_bytes_per_rank(topo, parts, ranks_per_node or topo.world_size, offload)
-    device = tuple(weights[topo.coords(r).ep][1] + held[r] for r in range(topo.world_size))
+    node = ranks_per_node or topo.world_size
+    held = component_bytes_per_rank(topo, parts, node, offload)
+    streaming = None if stream is None else stream_report(
+        model, request, parallel, dtype, stream, node, h2d_gbps, memory_bytes)
+    on_device = [w[1] for w in weights] if streaming is None else [
+        streaming.estimate.device_weight_bytes] * e
+    device = tuple(on_device[topo.coords(r).ep] + held[r] for r in range(topo.world_size))
     return LayoutPlan(
         parallel=parallel,
         name=layout_name(parallel),
@@ -148,6 +231,7 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
         text_encoder_bytes=0 if offload else parts.text_encoder,
         decoder_bytes=0 if offload else parts.decoders,
         device_bytes_per_rank=device,
+        streaming=streaming,
     )
 
 
@@ -159,12 +243,13 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
     components' bytes are reported, `LayoutPlan.busiest_rank_bytes`, not filtered on: they
     can be offloaded.)"""
     fits = [i for i, p in enumerate(plans)
-            if memory_bytes is None or p.weight_bytes_per_rank <= memory_bytes]
+            if memory_bytes is None or p.fit_bytes <= memory_bytes]
     if not fits:
-        least = min(p.weight_bytes_per_rank for p in plans) / GIB
+        least = min(p.fit_bytes for p in plans) / GIB
+        what = "of weights" if plans[0].streaming is None else "streamed (--offload-layers)"
         raise ValueError(
             f"memory budget {memory_bytes / GIB:.1f} GiB per rank fits no layout (the smallest "
-            f"needs {least:.1f} GiB of weights), pass --memory-gib {math.ceil(least)} or more, "
+            f"needs {least:.1f} GiB {what}), pass --memory-gib {math.ceil(least)} or more, "
             "or a larger --world-size"
         )
     best = min(fits, key=lambda i: (plans[i].busiest_moe_rows, plans[i].bytes_sent_per_forward,
@@ -174,7 +259,8 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
             if plans[i].busiest_moe_rows == b.busiest_moe_rows and i != best]
     reason = f"fewest busiest-rank MoE rows ({b.busiest_moe_rows:,} per layer)"
     if memory_bytes is not None:
-        reason += f" among layouts whose weights fit {memory_bytes / GIB:g} GiB/rank"
+        what = "weights" if b.streaming is None else "streamed device estimate"
+        reason += f" among layouts whose {what} fit {memory_bytes / GIB:g} GiB/rank"
     if tied:
         mib = b.bytes_sent_per_forward / 2**20
         reason += (f", then fewest bytes sent per rank per forward ({mib:,.1f} MiB; same rows: "
@@ -185,18 +271,20 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
 def plan_world(model: Magi2Config, request: RequestShape, world_size: int,
                dtype: torch.dtype = torch.bfloat16,
                memory_bytes: int | None = None, components: ComponentBytes | None = None,
-               ranks_per_node: int | None = None,
-               offload: bool = False) -> tuple[list[LayoutPlan], str]:
+               ranks_per_node: int | None = None, offload: bool = False,
+               stream: StreamSettings | None = None,
+               h2d_gbps: float = DEFAULT_H2D_GBPS) -> tuple[list[LayoutPlan], str]:
     """Every valid layout of `world_size` ranks (`enumerate_layouts`) planned for `request`
-    (components placed as in `plan_layout`), the recommended one flagged, and the reason."""
+    (components placed and layers streamed as in `plan_layout`), the recommended one
+    flagged, and the reason."""
     if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (ranks in the world), got "
                          f"{world_size!r}, e.g. 8")
     layouts = enumerate_layouts(model, world_size)
     if not layouts:
         raise ValueError(f"world_size={world_size} has no layout model {model.name!r} can run")
-    plans = [plan_layout(model, request, p, dtype, components, ranks_per_node, offload)
-             for p in layouts]
+    plans = [plan_layout(model, request, p, dtype, components, ranks_per_node, offload,
+                         stream, h2d_gbps, memory_bytes) for p in layouts]
     best, reason = recommend(plans, memory_bytes)
     plans[best] = replace(plans[best], recommended=True)
     return plans, reason

@@ -24,13 +24,14 @@ import torch
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.counters import Counters
-from headmoe.distributed.exchange import HeadLayout
+from headmoe.distributed.exchange import ExchangeWorkspace, HeadLayout
 from headmoe.distributed.schedule import Collective, Exchange
 from headmoe.distributed.sharding import sp_token_counts
 from headmoe.distributed.topology import AXES, Topology, plan_topology
 from headmoe.models.magi2.config import Magi2Config, validate_parallel
-from headmoe.models.magi2.model import Magi2Transformer, MoEMLP
+from headmoe.models.magi2.model import Magi2Layer, Magi2Transformer, MoEMLP
 from headmoe.models.magi2.schedule import forward_schedule
+from headmoe.models.streaming import slot_layout
 from headmoe.moe import moe_row_slice, plan_dispatch
 from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
 from headmoe.planner.request import RequestShape
@@ -175,3 +176,28 @@ def weight_bytes(model: Magi2Config, ep_size: int, ep_rank: int,
         moe = MoEMLP(model, dtype, _context(model, ep_size, ep_rank)).moe_mlp
     expert = len(model.moe_layer_ids) * _nbytes(moe)
     return expert, _non_expert_bytes(model, dtype) + expert
+
+
+@cache
+def layer_bytes(model: Magi2Config, ep_size: int, ep_rank: int,
+                dtype: torch.dtype) -> tuple[tuple[int, int], ...]:
+    """Per layer `(bytes its tensors hold, slot bytes they need)` on EP rank `ep_rank` of an
+    EP group of `ep_size` (the modules as built, on the meta device; slot bytes by the
+    streamer's own `slot_layout`)."""
+    kinds = {}
+    for i in range(model.num_layers):
+        multimodal = i in model.multimodal_layers
+        if multimodal not in kinds:
+            with torch.device("meta"):
+                layer = Magi2Layer(model, i, dtype, _context(model, ep_size, ep_rank),
+                                   ExchangeWorkspace())
+            tensors = [(t.shape, t.dtype) for _, t in
+                       [*layer.named_parameters(), *layer.named_buffers()]]
+            kinds[multimodal] = (_nbytes(layer), slot_layout(tensors)[1])
+    return tuple(kinds[i in model.multimodal_layers] for i in range(model.num_layers))
+
+
+def expert_bytes_per_head(model: Magi2Config, dtype: torch.dtype) -> int:
+    """Bytes of one real MoE head's rows in one MoE layer (gate, experts, router biases)."""
+    return weight_bytes(model, 1, 0, dtype)[0] // max(len(model.moe_layer_ids), 1) // (
+        model.moe_num_heads)
