@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -175,3 +175,5 @@ class Components:
     video_decoder: VideoDecoder
     audio_decoder: AudioDecoder
     image_encoder: ImageEncoder | None = None
+    refiner: Any = None
+    """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""
