@@ -39,8 +39,9 @@ from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import Refusal, UserError
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
+from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.release import VIDEO_DECODERS
-from headmoe.pipeline.request import DTYPES, NOISE_DEVICES
+from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
 #: the layout flags are the fields of `ParallelConfig` (dest = field name)
@@ -59,6 +60,9 @@ FLAGS: dict[str, str] = {
             "timeout",
             "video_decoder",
             "offload",
+            "refiner_height",
+            "refiner_width",
+            "refiner_steps",
             "offload_layers",
             "resident_layers",
         )
@@ -90,10 +94,44 @@ def register(subparsers: Any) -> None:
     )
     _add_model_flags(p)
     _add_request_flags(p)
+    _add_refiner_flags(p)
     add_layout_flags(p)
     _add_run_flags(p)
     checks.add_arguments(p)
     p.set_defaults(run=run)
+
+
+def _add_refiner_flags(p: argparse.ArgumentParser) -> None:
+    """--refiner-height, --refiner-width, --refiner-steps (the 1080p stage)."""
+    stage = RefinerStage()
+    p.add_argument("--refiner-height", type=int, default=None,
+                   help="run the release's refiner (refiner/) after the preview, at this "
+                   f"height in pixels (a multiple of 16; with --refiner-width, default "
+                   f"{stage.height}); the clip gets 2T-1 latent frames at twice the fps")
+    p.add_argument("--refiner-width", type=int, default=None,
+                   help=f"refiner width in pixels (a multiple of 16; default {stage.width})")
+    p.add_argument("--refiner-steps", type=int, default=None,
+                   help=f"refiner sampler steps (default {stage.steps})")
+
+
+def refiner_stage(args: argparse.Namespace, release: Any, parallel: ParallelConfig) -> Any:
+    """The `RefinerStage` the refiner flags ask for (None: no refiner), checked against the
+    release's refiner/ and the layout. Raises `ValueError` naming the flag."""
+    from headmoe.models.refiner import validate_parallel
+
+    given = {k: getattr(args, k, None) for k in ("refiner_height", "refiner_width",
+                                                 "refiner_steps")}
+    if all(v is None for v in given.values()):
+        return None
+    if release is None or release.refiner is None:
+        where = "the embedded tiny release" if release is None else repr(release.root)
+        raise ValueError(f"refiner_height / refiner_width / refiner_steps need a release folder "
+                         f"with refiner/; {where} has none")
+    d = RefinerStage()
+    stage = RefinerStage(given["refiner_height"] or d.height, given["refiner_width"] or d.width,
+                         d.steps if given["refiner_steps"] is None else given["refiner_steps"])
+    validate_parallel(release.refiner_config, parallel)
+    return stage
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -154,6 +192,13 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="UTF-8 text, raw (no template); the text encoder's token limit applies "
         "(truncation is warned about and recorded in the sidecar)",
+    )
+    p.add_argument(
+        "--image",
+        default=None,
+        metavar="PATH",
+        help="image-to-video: a PNG, JPEG or WebP file whose content becomes the first frame "
+        "(release folders; the prompt gets the <Figure 1> marker)",
     )
     p.add_argument("--negative-prompt", default=None,
                    help="text of the unconditional branch (default: headmoe's short list for "
@@ -305,6 +350,7 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
         checks.check_output(output, args.overwrite, parallel.data_parallel_size)
         admitted, dep, checkpoint, release = _checked_model(args, given, parallel, world)
+        refiner = refiner_stage(args, release, parallel)
     except Refusal:
         raise
     except ValueError as exc:
@@ -312,6 +358,7 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         raise kind(flagify(str(exc))) from None
     for note in admitted.notes:
         print(f"headmoe: note: {note}", file=sys.stderr)
+    image = _image(args, admitted.request, release)  # its messages name --image themselves
     job = GenerateJob(
         admitted.request,
         parallel,
@@ -326,6 +373,8 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else [],
                "admission": admitted.describe()},
         release=release,
+        image=image,
+        refiner=refiner,
     )
     return job, world, dep
 
@@ -346,6 +395,29 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     return Deployment(model_config, parallel, device, count, budget,
                       f"--model {args.model} (config {name})",
                       stream_settings(args, model_config.num_layers))
+
+
+def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
+                   world: int) -> tuple[Admitted, Deployment, str, Any]:
+    """(admitted request, deployment, transformer checkpoint, release or None) of
+    ``--model``, with every header, the layout and the request (admission, memory estimate
+    included) checked before any weight is built."""
+
+
+def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
+    """The checked, preprocessed ``--image`` (`headmoe.pipeline.image.read_image`), or
+    None; refused with a model that has no image encoder."""
+    if getattr(args, "image", None) is None:
+        return None
+    if release is None or release.image_encoder is None:
+        raise UserError(f"--image needs a release folder with vae/ (the Wan2.2 encoder), not "
+                        f"--model {args.model!r}")
+    from headmoe.pipeline.image import ImageError, read_image
+
+    try:
+        return read_image(args.image, request.height, request.width)
+    except ImageError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
@@ -393,17 +465,18 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     from headmoe.pipeline import release as rel
 
     video = args.video_decoder or "turbo"
+    image = getattr(args, "image", None) is not None
     if args.model == "tiny":
         if args.model_config is not None:
             raise ValueError("model_config applies to a release folder or a checkpoint file, "
                              "not to the embedded model='tiny'")
         validate_parallel(get_config("tiny"), parallel)
-        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload)
+        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload, image)
         found = dataclasses.replace(
             found, model_config=dataclasses.replace(found.model_config, name="tiny")
         )
     else:
-        found = rel.find_release(args.model, video, args.offload, args.model_config)
+        found = rel.find_release(args.model, video, args.offload, image, args.model_config)
         validate_parallel(found.model_config, parallel)
     rel.check_release(found)  # headers only, before any rank starts
     return found
