@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -163,3 +163,5 @@ class Components:
     text_encoder: TextEncoder
     video_decoder: VideoDecoder
     audio_decoder: AudioDecoder
+    refiner: Any = None
+    """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.pipeline import video_latents
-from headmoe.pipeline.text_encoder import MAX_TOKENS
+from headmoe.pipeline.released import MAX_TEXT_TOKENS
 
 HOST = torch.device("cpu")
 OK, FAILED = 0, 1
@@ -95,7 +95,7 @@ class NodeTextEncoder:
                  device: torch.device, offload: bool):
         self.encoder, self.out_channels = encoder, out_channels
         self.src, self.group, self.size, self.device = src, group, size, device
-        self.max_tokens = encoder.max_tokens if encoder is not None else MAX_TOKENS
+        self.max_tokens = encoder.max_tokens if encoder is not None else MAX_TEXT_TOKENS
         self.placed = Placed(encoder.model, device, offload) if encoder is not None else None
 
     def encode(self, text: str) -> torch.Tensor:

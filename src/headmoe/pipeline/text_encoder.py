@@ -5,7 +5,9 @@ The feature is ``hidden_states[-3]`` of the full model, i.e. the output of decod
 ``L - 2`` layers (the last two are never built or loaded) and the final norm is skipped, so
 ``last_hidden_state`` *is* the feature. Prompts are raw text (no chat template), tokenized
 with the tokenizer's defaults, truncated at 7000 tokens, right-padded in batches; features
-come out in the model dtype (bf16 for the release, 5120-d).
+come out in the model dtype (bf16 for the release, 5120-d). Before tokenizing, a JSON prompt
+is rewritten to compact markdown and the tokenizer carries the released extra pre-tokenizer
+split (`headmoe.pipeline.prompts`), as in the release.
 
 `build_tiny_text_encoder` writes a tiny random Qwen3.5 text model and a byte-level BPE
 tokenizer trained offline on `TINY_CORPUS` to a folder in the Hugging Face format, the same
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from headmoe.files import check_entries, confined_file, index_map, read_json
+from headmoe.pipeline.prompts import add_released_split, normalize_prompt
+from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.pipeline.weights import check_tensors, open_safetensors
 
-MAX_TOKENS = 7000
 FEATURE_LAYER = -3  # hidden_states index of the feature
 
 
@@ -201,7 +204,7 @@ class Qwen35TextEncoder:
     Construct with `from_folder`. ``encode(text) -> [L, C]`` float32 (model-dtype values);
     `encode_batch` gives the batched form with the truncation report."""
 
-    def __init__(self, model, tokenizer, total_layers: int, max_tokens: int = MAX_TOKENS):
+    def __init__(self, model, tokenizer, total_layers: int, max_tokens: int = MAX_TEXT_TOKENS):
         self.model, self.tokenizer = model, tokenizer
         self.total_layers, self.max_tokens = total_layers, max_tokens
         self.out_channels = int(model.config.hidden_size)
@@ -214,23 +217,25 @@ class Qwen35TextEncoder:
         folder: str | os.PathLike,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
-        max_tokens: int = MAX_TOKENS,
+        max_tokens: int = MAX_TEXT_TOKENS,
     ) -> Qwen35TextEncoder:
         """Load ``config.json``, the safetensors weights (``model.safetensors`` or an index;
         the text model may sit under ``model.`` / ``model.language_model.``, LM head, vision
         and MTP tensors are skipped by name) and the tokenizer files from ``folder``,
-        offline. All tensors are checked by name and shape first; the last two decoder
-        layers and the final norm are then not read."""
+        offline, with the released pre-tokenizer split in front of the tokenizer's own. All
+        tensors are checked by name and shape first; the last two decoder layers and the
+        final norm are then not read."""
         folder = os.fspath(folder)
         confined_file(folder, "config.json", f"text encoder folder {folder!r}: file")
         model, total = _load_truncated(folder, dtype, device)
         tok = _tokenizer(folder)
+        add_released_split(tok)
         return cls(model.eval(), tok, total, max_tokens)
 
     def tokenize(self, text: str) -> tuple[list[int], int]:
-        """Token ids (at most ``max_tokens``; "" becomes one pad token) and the count before
-        truncation."""
-        ids = self.tokenizer(text)["input_ids"]
+        """Token ids of ``normalize_prompt(text)`` (at most ``max_tokens``; "" becomes one
+        pad token) and the count before truncation."""
+        ids = self.tokenizer(normalize_prompt(text))["input_ids"]
         count = len(ids)
         ids = ids[: self.max_tokens] or [self.tokenizer.pad_token_id]
         return ids, count
