@@ -168,6 +168,13 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
         "(truncation is warned about and recorded in the sidecar)",
     )
     p.add_argument(
+        "--image",
+        default=None,
+        metavar="PATH",
+        help="image-to-video: a PNG, JPEG or WebP file whose content becomes the first frame "
+        "(release folders; the prompt gets the <Figure 1> marker)",
+    )
+    p.add_argument(
         "--negative-prompt",
         default=d["negative_prompt"],
         help="text of the unconditional branch (default: headmoe's own list of defects)",
@@ -282,6 +289,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
     except ValueError as exc:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flagify(str(exc))) from None
+    image = _image(args, request, release)  # its messages name --image themselves
     job = GenerateJob(
         request,
         parallel,
@@ -296,9 +304,26 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         resident_layers=getattr(args, "resident_layers", 0),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
         release=release,
+        image=image,
         refiner=refiner,
     )
     return job, world
+
+
+def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
+    """The checked, preprocessed ``--image`` (`headmoe.pipeline.image.read_image`), or
+    None; refused with a model that has no image encoder."""
+    if getattr(args, "image", None) is None:
+        return None
+    if release is None or release.image_encoder is None:
+        raise UserError(f"--image needs a release folder with vae/ (the Wan2.2 encoder), not "
+                        f"--model {args.model!r}")
+    from headmoe.pipeline.image import ImageError, read_image
+
+    try:
+        return read_image(args.image, request.height, request.width)
+    except ImageError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _checked_model(args: argparse.Namespace, request: GenerateRequest,
@@ -352,14 +377,15 @@ def _release(args: argparse.Namespace, request: GenerateRequest, parallel: Paral
     video = args.video_decoder or "turbo"
     video_latents.latent_shape(request.num_frames, request.height, request.width)
     request.audio_samples(44100)
+    image = getattr(args, "image", None) is not None
     if args.model == "tiny":
         validate_parallel(get_config("tiny"), parallel)
-        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload)
+        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload, image)
         found = dataclasses.replace(
             found, model_config=dataclasses.replace(found.model_config, name="tiny")
         )
     else:
-        found = rel.find_release(args.model, video, args.offload)
+        found = rel.find_release(args.model, video, args.offload, image)
         validate_parallel(found.model_config, parallel)
     rel.check_release(found)  # headers only, before any rank starts
     return found

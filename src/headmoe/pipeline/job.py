@@ -51,6 +51,7 @@ from headmoe.pipeline.health import (
     text_report,
     warn_truncated,
 )
+from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
 from headmoe.pipeline.magi2 import magi2_components
 from headmoe.pipeline.media import (
     quantize_audio,
@@ -92,6 +93,9 @@ class GenerateJob:
     overwrite: bool = False
     """Replace existing output files; without it an output that appears while the job runs
     (another run's) is kept and the job fails (`headmoe.files.atomic_write`)."""
+    image: Any = None
+    """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
+    pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
     refiner: Any = None
     """The 1080p refiner stage (a `headmoe.pipeline.refine.RefinerStage`; the release's
     ``refiner/`` runs it after the preview); None: the preview is the output."""
@@ -191,12 +195,14 @@ def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) ->
 
 
 def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
-             texts: list[torch.Tensor], tau: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+             texts: list[torch.Tensor], tau: float, cond: ImageCondition | None = None,
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(cond video, cond audio), (uncond video, uncond audio)] at model time ``tau``:
     both branches packed in one forward (CFG1), or this rank's branch and one all-gather of
-    the predictions over the CFG group (CFG2)."""
+    the predictions over the CFG group (CFG2). ``cond``: the image rows both branches carry."""
     mine = [0, 1] if ctx.topology.cfg == 1 else [ctx.coords.cfg]
-    preds = parts.denoiser([BranchInput(xv, xa, texts[b], tau, tau) for b in mine])
+    extra = cond.branch_fields() if cond is not None else {}
+    preds = parts.denoiser([BranchInput(xv, xa, texts[b], tau, tau, **extra) for b in mine])
     if ctx.topology.cfg == 1:
         return preds
     flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
@@ -209,9 +215,11 @@ def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torc
 def denoise(
     ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise,
     texts: list[torch.Tensor], on_step: Callable[[int, int], None] | None = None,
+    cond: ImageCondition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Step 2: the sampler loop; returns the final video and audio latents and the step
-    times (s). Every rank combines the same predictions with the same arithmetic."""
+    times (s). Every rank combines the same predictions with the same arithmetic. ``cond``:
+    image-to-video's image rows (`headmoe.pipeline.i2v.image_condition`)."""
     req = job.request
     schedule = released_schedule(req.num_inference_steps, req.shift)
     samp_v, samp_a = make_sampler(req.sampler, schedule), make_sampler(req.sampler, schedule)
@@ -221,7 +229,7 @@ def denoise(
     for i in range(req.num_inference_steps):
         t0 = time.perf_counter()
         note_step(i)
-        preds = _predict(ctx, parts, xv, xa, texts, schedule.model_time(i))
+        preds = _predict(ctx, parts, xv, xa, texts, schedule.model_time(i), cond)
         check_step(i, req.num_inference_steps, preds, schedule.sigma(i))  # same on every rank
         (vc, ac), (vu, au) = preds
         xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
@@ -299,10 +307,13 @@ def run_request(
     t_start = time.perf_counter() if t_start is None else t_start
     req, coords = job.request, ctx.coords
     noise = draw_noise(ctx, req, parts)
-    prompts = (req.prompt, req.negative_prompt)
+    prompt = req.prompt if job.image is None else ensure_figure_token(req.prompt)
+    prompts = (prompt, req.negative_prompt)
     texts, text_counts = encode_prompts(parts.text_encoder, prompts, ctx.device)
     text_info = text_report(parts.text_encoder, prompts, texts, text_counts)
-    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step)
+    cond = None if job.image is None else image_condition(
+        parts, job.image, prompt, texts[0], req.torch_dtype)
+    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step, cond)
     refine_times, num_frames, fps = None, req.num_frames, req.fps
     if job.refiner is not None:
         xv, refine_times = refine(ctx, job, parts, noise, xv, texts, on_step)
@@ -352,6 +363,8 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
                    "offload_layers": job.offload_layers, "resident_layers": job.resident_layers,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
+        "image": None if job.image is None else {
+            **job.image.describe(), "prompt": ensure_figure_token(req.prompt)},
         "media": {"frames": list(frames.shape), "fps": req.fps,
                   "audio_samples": list(audio.shape),
                   "sample_rate": parts.audio_decoder.sample_rate},

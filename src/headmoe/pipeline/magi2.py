@@ -60,8 +60,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
-    each node's first rank, decoders on the output rank) or the stand-in text encoder and
-    decoders sized to the model's channels."""
+    each node's first rank, decoders on the output rank, image encoder on rank 0) or the
+    stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
@@ -82,7 +82,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
             placement.node_text_encoder(ctx, job.release, timeout),
             placement.output_video_decoder(ctx, job.release),
             placement.output_audio_decoder(ctx, job.release),
-            refiner_component(ctx, job, None if job.offload_layers else model)
+            image_encoder=placement.world_image_encoder(ctx, job.release),
+            refiner=refiner_component(ctx, job, None if job.offload_layers else model)
             if job.refiner is not None else None,
         )
     return Components(

@@ -62,6 +62,8 @@ class Release:
     video_decoder_path: str
     audio_decoder: str
     offload: bool = False
+    image_encoder: str | None = None
+    """The ``vae/`` folder whose Wan2.2 encoder encodes I2V images (None: no image input)."""
     refiner: str | None = None
     """The refiner checkpoint under ``refiner/`` (None: the folder has no refiner)."""
     refiner_config: Any = None
@@ -76,6 +78,7 @@ class Release:
             "text_encoder": self.text_encoder,
             "audio_decoder": self.audio_decoder,
             "offload": self.offload,
+            "image_encoder": self.image_encoder,
             "refiner": self.refiner,
         }
 
@@ -148,18 +151,24 @@ def find_refiner(base: Path) -> tuple[str | None, Any]:
 
 
 def find_release(
-    root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False
+    root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False,
+    image_encoder: bool | None = False,
 ) -> Release:
     """The `Release` of folder ``root``: every file `required_files` lists, the transformer
     under ``preview/`` and the text encoder's weights must exist and be readable; all that
     do not are named (relative to ``root``) in one `ValueError`. ``preview/config.json`` is
-    parsed (`Magi2Config.from_json`); headers are checked by `check_release`."""
+    parsed (`Magi2Config.from_json`); headers are checked by `check_release`.
+    ``image_encoder``: True requires ``vae/Wan2.2_VAE.pth`` (image-to-video), None uses it
+    when present (a server), False leaves it out."""
     from headmoe.models.magi2 import Magi2Config
 
     base = Path(root).expanduser()
     if not base.is_dir():
         raise ValueError(f"model={str(root)!r} is not a release folder")
     files = required_files(video_decoder)
+    vae = f"{WAN_DIR}/{_wan_file()}"
+    if image_encoder and vae not in files:
+        files.append(vae)
     transformer = _transformer_file(base)
     index = base / TEXT_ENCODER_DIR / f"model{INDEX_SUFFIX}"  # else the single file
     files.append(f"{TEXT_ENCODER_DIR}/" + (index.name if index.exists() else "model.safetensors"))
@@ -182,9 +191,17 @@ def find_release(
         video_decoder_path=str(base / VIDEO_DECODER_DIRS[video_decoder]),
         audio_decoder=str(base / AUDIO_DIR),
         offload=offload,
+        image_encoder=str(base / WAN_DIR) if image_encoder or (
+            image_encoder is None and (base / vae).is_file()) else None,
         refiner=refiner,
         refiner_config=refiner_config,
     )
+
+
+def _wan_file() -> str:
+    from headmoe.pipeline import wan_vae
+
+    return wan_vae.CHECKPOINT_FILE
 
 
 def _component(name: str, fn: Any, *args: Any) -> Any:
@@ -202,8 +219,9 @@ def check_release(release: Release) -> None:
     """Check every header of ``release`` against the configs, reading no weight: the text
     encoder (`check_text_encoder`; its width must be ``text_in_channels``), the chosen video
     decoder (`check_turbo_vae` / `check_wan_vae`; 48 latent channels =
-    ``video_in_channels``), the audio decoder (`check_oobleck_decoder`; ``latent_dim`` =
-    ``audio_in_channels``), then the transformer (`check_checkpoint`). Raises a one-line
+    ``video_in_channels``), the image encoder's ``vae/`` when it is used, the audio decoder
+    (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``), then the transformer
+    (`check_checkpoint`). Raises a one-line
     `ValueError` naming the file or tensor."""
     from headmoe.models.magi2 import check_checkpoint
     from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
@@ -221,6 +239,8 @@ def check_release(release: Release) -> None:
         _component(release.video_decoder_path, wan_vae.check_wan_vae, release.video_decoder_path)
         pairs.append((f"{WAN_DIR}/{wan_vae.CHECKPOINT_FILE} z_dim", video_latents.LATENT_CHANNELS,
                       "video_in_channels", cfg.video_in_channels))
+    if release.image_encoder is not None and release.video_decoder != "wan2.2":
+        _component(release.image_encoder, wan_vae.check_wan_vae, release.image_encoder)
     acfg = _component(release.audio_decoder, audio_vae.check_oobleck_decoder,
                       release.audio_decoder)
     pairs.append((f"{AUDIO_DIR}/{audio_vae.CONFIG_FILE} latent_dim", acfg.latent_dim,
