@@ -368,6 +368,7 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         check_layers=getattr(args, "debug", False),
+        overwrite=args.overwrite,
         offload_layers=getattr(args, "offload_layers", False),
         resident_layers=getattr(args, "resident_layers", 0),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else [],
@@ -451,6 +452,8 @@ def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: Pa
         checks.report_conversions(report)
         if args.check_weights:
             checks.scan_weights(checkpoint, headers, report.prefix)
+            if release is not None:
+                checks.scan_decoders(release)
     return admit(given, dep), dep, checkpoint, release
 
 

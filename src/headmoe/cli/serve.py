@@ -165,6 +165,20 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
+def _port_free(host: str, port: int) -> bool:
+    """Try to listen on ``host:port`` before any rank starts or any weight loads (rank 0
+    binds it for real later); print one line and return False when that fails."""
+    from headmoe.serve.worker import bind
+
+    try:
+        bind(host, port).close()
+    except OSError as exc:
+        print(f"headmoe serve: error: {exc} (--host {host} --port {port}), pick another "
+              "--port or stop the process that holds it", file=sys.stderr)
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``headmoe serve``; returns the exit code."""
     from headmoe.distributed.launch import torchrun_env

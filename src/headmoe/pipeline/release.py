@@ -25,16 +25,13 @@ the same layout with tiny random components, once per content spec, atomically.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headmoe.files import entry_problem
+from headmoe.files import atomic_folder, entry_problem
 
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
@@ -341,18 +338,15 @@ def tiny_release_name() -> str:
 
     import torch
 
-    from headmoe.models.magi2 import checkpoint_spec, get_config
+    from headmoe.models.magi2 import get_config, spec_digest
     from headmoe.models.refiner import get_refiner_config, refiner_spec
 
-    cfg = get_config("tiny")
-    spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
     rcfg = get_refiner_config(TINY_SPEC["refiner"]["preset"])
     rspec = {k: [list(s), str(d)] for k, (s, d) in refiner_spec(rcfg).items()}
     versions = [torch.__version__, *(version(n) for n in ("transformers", "tokenizers",
                                                           "diffusers"))]
-    key = json.dumps([TINY_SPEC, cfg.to_dict(), spec, rcfg.to_dict(), rspec, versions],
-                     default=list, sort_keys=True)
-    return f"tiny-release-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    digest = spec_digest(get_config("tiny"), TINY_SPEC, rcfg.to_dict(), rspec, versions)
+    return f"tiny-release-{digest}"
 
 
 def write_tiny_release(folder: str | os.PathLike) -> None:
@@ -400,22 +394,10 @@ def _write_tiny_refiner(folder: Path, spec: dict[str, Any]) -> None:
 
 
 def tiny_release(cache_dir: str | os.PathLike, *, write: bool = True) -> Path:
-    """The embedded default's folder ``<cache_dir>/<tiny_release_name()>``, written once:
-    built in a temp folder beside it, then renamed into place (atomic; a concurrent writer
-    that wins the rename is kept). ``write=False`` only names it."""
+    """The embedded default's folder ``<cache_dir>/<tiny_release_name()>``, written once
+    (`headmoe.files.atomic_folder`: a concurrent writer that wins the rename is kept).
+    ``write=False`` only names it."""
     path = Path(cache_dir).expanduser() / tiny_release_name()
     if not write or path.is_dir():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        write_tiny_release(tmp)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if not path.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return path
+    return atomic_folder(path, write_tiny_release)
