@@ -42,7 +42,7 @@ def test_memory_shrinks_with_sp_and_plan_prints_the_stage(capsys):
                                  torch.bfloat16) for sp in (1, 8))
     assert one.weights == eight.weights == 6_697_844_736 * 2 + 22_230_544 * 4
     assert eight.activations < one.activations / 4
-    assert plan_main(["--world-size", "8", "--refiner-height", "1088", "--json"]) == 0
+    assert plan_main(["--world-size", "8", "--resolution", "1080p", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)["refiner"]
     assert data["latent"] == [63, 68, 120] and data["refiner_width"] == 1920
     assert {(r["ulysses_degree"], r["cfg_parallel_size"]) for r in data["layouts"]} >= {(8, 1),

@@ -16,6 +16,7 @@ from typing import Any
 from headmoe.cli.errors import UserError, run_guarded
 from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.models.streaming import DEFAULT_SLOTS
+from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
 from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
@@ -125,9 +126,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="host-to-device GB/s per GPU the streamed step-time bound assumes (default "
         f"{DEFAULT_H2D_GBPS:g})",
     )
+    p.add_argument("--resolution", default=None, choices=sorted(RESOLUTIONS),
+                   help="size preset of the request (replaces --height/--width; 1080p: the "
+                   "540p preview and the refiner stage at 1920x1088)")
     p.add_argument("--refiner-height", type=int, default=None,
-                   help="add the 1080p refiner stage at this height in pixels (with "
-                   "--refiner-width; default 1088 when only the width is given)")
+                   help="add the refiner stage at this height in pixels (default 1088, or the "
+                   "--resolution preset's)")
     p.add_argument("--refiner-width", type=int, default=None,
                    help="refiner width in pixels (default 1920 when only the height is given)")
     p.add_argument("--refiner-steps", type=int, default=None, help="refiner steps (default 5)")
@@ -140,19 +144,16 @@ def refiner_section(args: argparse.Namespace, request: RequestShape, plans: list
                     ) -> tuple[dict[str, Any] | None, str]:
     """The refiner stage of ``plan`` (`headmoe.planner.refiner`): (JSON object, text), or
     (None, "") without the refiner flags."""
+    from headmoe.admission import REFINER_FIELDS, check_given, refiner_stage
     from headmoe.models.refiner import get_refiner_config
-    from headmoe.pipeline.refine import RefinerStage
     from headmoe.planner.refiner import plan_refiner
 
-    given = (args.refiner_height, args.refiner_width, args.refiner_steps)
-    if all(v is None for v in given):
+    given = {k: getattr(args, k) for k in ("resolution", *REFINER_FIELDS)
+             if getattr(args, k, None) is not None}
+    check_given(given)  # a Refusal names the flag
+    stage = refiner_stage(given)
+    if stage is None:
         return None, ""
-    d = RefinerStage()
-    try:
-        stage = RefinerStage(args.refiner_height or d.height, args.refiner_width or d.width,
-                             d.steps if args.refiner_steps is None else args.refiner_steps)
-    except ValueError as e:
-        raise UserError(f"--{str(e).replace('_', '-', 1)}") from None
     cfg = get_refiner_config("magi2-refiner")
     thw = stage.latent_thw(request.video_latent[0])
     work, rplans = plan_refiner(cfg, thw, request.text_tokens[0], [p.parallel for p in plans],
@@ -184,10 +185,17 @@ register = add_parser
 
 
 def request_from_args(args: argparse.Namespace) -> RequestShape:
+    """The planned request's shape; ``--resolution`` (plan only) sets the preview's height
+    and width (1080p: the 540p preview of the refiner stage)."""
+    from headmoe.admission import check_given
+
     uncond = args.text_tokens if args.uncond_text_tokens is None else args.uncond_text_tokens
+    height, width = args.height, args.width
+    if getattr(args, "resolution", None) is not None:
+        height, width = check_given({"resolution": args.resolution})["resolution"]
     return RequestShape.from_media(
-        height=args.height,
-        width=args.width,
+        height=height,
+        width=width,
         num_frames=args.num_frames,
         fps=args.fps,
         text_tokens=args.text_tokens,

@@ -23,8 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from headmoe.pipeline.audio_vae import LATENT_FPS, OUTPUT_SAMPLE_RATE, audio_latent_length
+from headmoe.pipeline.video_latents import SPATIAL_STRIDE, TEMPORAL_STRIDE, latent_shape
+
 if TYPE_CHECKING:
     from headmoe.models.magi2 import BranchInput
+    from headmoe.pipeline.image import ReferenceImage
 
 TEXT_SEED, VIDEO_SEED, AUDIO_SEED = 1001, 1002, 1003
 
@@ -101,7 +105,7 @@ class ByteTextEncoder:
 class TinyVideoDecoder:
     """Linear per-token decoder, temporal stride 4, spatial stride 16 (see module doc)."""
 
-    t_stride, s_stride = 4, 16
+    t_stride, s_stride = TEMPORAL_STRIDE, SPATIAL_STRIDE
 
     def __init__(self, latent_channels: int, seed: int = VIDEO_SEED):
         self.latent_channels = latent_channels
@@ -112,12 +116,8 @@ class TinyVideoDecoder:
         )
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        for name, value, step in (("height", height, 16), ("width", width, 16)):
-            if value < step or value % step:
-                raise ValueError(f"{name} must be a positive multiple of {step}, got {value!r}")
-        if num_frames < 1:
-            raise ValueError(f"num_frames must be >= 1, got {num_frames!r}")
-        return (num_frames - 1) // self.t_stride + 1, height // 16, width // 16
+        """The decoders' one rule, `video_latents.latent_shape`."""
+        return latent_shape(num_frames, height, width)
 
     def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
         t, h, w, _ = latents.shape
@@ -131,7 +131,7 @@ class TinyVideoDecoder:
 class TinyAudioDecoder:
     """Linear per-token decoder: 25 tokens per second, 1764 mono samples each at 44.1 kHz."""
 
-    tokens_per_second, sample_rate, channels = 25, 44100, 1
+    tokens_per_second, sample_rate, channels = LATENT_FPS, OUTPUT_SAMPLE_RATE, 1
 
     def __init__(self, latent_channels: int, seed: int = AUDIO_SEED):
         self.latent_channels = latent_channels
@@ -139,7 +139,8 @@ class TinyAudioDecoder:
         self.weight = _weights(seed, (latent_channels, self.hop), latent_channels)
 
     def latent_length(self, duration_s: float) -> int:
-        return max(1, math.ceil(round(duration_s * self.tokens_per_second, 9)))
+        """The decoders' one rule, `audio_vae.audio_latent_length`."""
+        return audio_latent_length(duration_s)
 
     def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
         wave = torch.tanh(latents @ self.weight).reshape(1, -1)
@@ -155,13 +156,24 @@ class Denoiser(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+class ImageEncoder(Protocol):
+    """Image-to-video: a reference image -> its clean video latent."""
+
+    def encode(self, image: ReferenceImage) -> torch.Tensor:
+        """``[h, w, video latent channels]`` fp32 on CPU (``(h, w) = image.latent_size``),
+        identical on every rank."""
+        ...
+
+
 @dataclass
 class Components:
-    """What a job runs: the transformer behind `Denoiser` and the three codecs."""
+    """What a job runs: the transformer behind `Denoiser`, the three codecs and, for
+    image-to-video, the image encoder (None: the model takes no image)."""
 
     denoiser: Denoiser
     text_encoder: TextEncoder
     video_decoder: VideoDecoder
     audio_decoder: AudioDecoder
+    image_encoder: ImageEncoder | None = None
     refiner: Any = None
     """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""

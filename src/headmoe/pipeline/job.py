@@ -24,7 +24,6 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from headmoe.config import ParallelConfig
+from headmoe.config import ParallelConfig, check_positive_number
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
@@ -45,11 +44,13 @@ from headmoe.models.magi2 import BranchInput
 from headmoe.models.streaming import split_layers
 from headmoe.pipeline.encoders import Components, TextEncoder
 from headmoe.pipeline.health import (
+    DECODER_HINT,
     check_media,
     check_step,
     text_report,
     warn_truncated,
 )
+from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
 from headmoe.pipeline.magi2 import magi2_components
 from headmoe.pipeline.media import (
     quantize_audio,
@@ -88,6 +89,12 @@ class GenerateJob:
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False
     """Check every transformer layer's output for NaN/Inf (``--debug``)."""
+    overwrite: bool = False
+    """Replace existing output files; without it an output that appears while the job runs
+    (another run's) is kept and the job fails (`headmoe.files.atomic_write`)."""
+    image: Any = None
+    """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
+    pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
     refiner: Any = None
     """The 1080p refiner stage (a `headmoe.pipeline.refine.RefinerStage`; the release's
     ``refiner/`` runs it after the preview); None: the preview is the output."""
@@ -97,9 +104,7 @@ class GenerateJob:
     resident_layers: int = 0
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
+        check_positive_number("timeout_s", self.timeout_s)
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:
@@ -187,12 +192,14 @@ def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) ->
 
 
 def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
-             texts: list[torch.Tensor], tau: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+             texts: list[torch.Tensor], tau: float, cond: ImageCondition | None = None,
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(cond video, cond audio), (uncond video, uncond audio)] at model time ``tau``:
     both branches packed in one forward (CFG1), or this rank's branch and one all-gather of
-    the predictions over the CFG group (CFG2)."""
+    the predictions over the CFG group (CFG2). ``cond``: the image rows both branches carry."""
     mine = [0, 1] if ctx.topology.cfg == 1 else [ctx.coords.cfg]
-    preds = parts.denoiser([BranchInput(xv, xa, texts[b], tau, tau) for b in mine])
+    extra = cond.branch_fields() if cond is not None else {}
+    preds = parts.denoiser([BranchInput(xv, xa, texts[b], tau, tau, **extra) for b in mine])
     if ctx.topology.cfg == 1:
         return preds
     flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
@@ -205,9 +212,11 @@ def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torc
 def denoise(
     ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise,
     texts: list[torch.Tensor], on_step: Callable[[int, int], None] | None = None,
+    cond: ImageCondition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Step 2: the sampler loop; returns the final video and audio latents and the step
-    times (s). Every rank combines the same predictions with the same arithmetic."""
+    times (s). Every rank combines the same predictions with the same arithmetic. ``cond``:
+    image-to-video's image rows (`headmoe.pipeline.i2v.image_condition`)."""
     req = job.request
     schedule = released_schedule(req.num_inference_steps, req.shift)
     samp_v, samp_a = make_sampler(req.sampler, schedule), make_sampler(req.sampler, schedule)
@@ -217,7 +226,7 @@ def denoise(
     for i in range(req.num_inference_steps):
         t0 = time.perf_counter()
         note_step(i)
-        preds = _predict(ctx, parts, xv, xa, texts, schedule.model_time(i))
+        preds = _predict(ctx, parts, xv, xa, texts, schedule.model_time(i), cond)
         check_step(i, req.num_inference_steps, preds, schedule.sigma(i))  # same on every rank
         (vc, ac), (vu, au) = preds
         xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
@@ -276,7 +285,7 @@ def decode(parts: Components, req: GenerateRequest, xv: torch.Tensor, xa: torch.
     check_media("before decoding", **{"video latents": xv, "audio latents": xa})
     frames = parts.video_decoder.decode(xv.float().cpu(), num_frames or req.num_frames)
     wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)
-    check_media("after decoding", **{"audio waveform": wave})
+    check_media("after decoding", DECODER_HINT, **{"audio waveform": wave})
     return frames, quantize_audio(wave)
 
 
@@ -295,10 +304,13 @@ def run_request(
     t_start = time.perf_counter() if t_start is None else t_start
     req, coords = job.request, ctx.coords
     noise = draw_noise(ctx, req, parts)
-    prompts = (req.prompt, req.negative_prompt)
+    prompt = req.prompt if job.image is None else ensure_figure_token(req.prompt)
+    prompts = (prompt, req.negative_prompt)
     texts, text_counts = encode_prompts(parts.text_encoder, prompts, ctx.device)
     text_info = text_report(parts.text_encoder, prompts, texts, text_counts)
-    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step)
+    cond = None if job.image is None else image_condition(
+        parts, job.image, prompt, texts[0], req.torch_dtype)
+    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step, cond)
     refine_times, num_frames, fps = None, req.num_frames, req.fps
     if job.refiner is not None:
         xv, refine_times = refine(ctx, job, parts, noise, xv, texts, on_step)
@@ -321,7 +333,8 @@ def run_request(
     if job.refiner is not None:
         side["refiner"] = refiner_record(job.refiner, xv, infos, coords.dp)
         side["media"]["fps"] = fps
-    write_outputs(out, side, frames, audio, fps, parts.audio_decoder.sample_rate, t_start)
+    write_outputs(out, side, frames, audio, fps, parts.audio_decoder.sample_rate, t_start,
+                  overwrite=job.overwrite)
     result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
     return result
 
@@ -347,6 +360,8 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
                    "offload_layers": job.offload_layers, "resident_layers": job.resident_layers,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
+        "image": None if job.image is None else {
+            **job.image.describe(), "prompt": ensure_figure_token(req.prompt)},
         "media": {"frames": list(frames.shape), "fps": req.fps,
                   "audio_samples": list(audio.shape),
                   "sample_rate": parts.audio_decoder.sample_rate},
@@ -362,16 +377,19 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
 
 
 def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: torch.Tensor,
-                  fps: float, sample_rate: int, t_start: float) -> None:
+                  fps: float, sample_rate: int, t_start: float, *,
+                  overwrite: bool = False) -> None:
     """Step 4: the mp4 and its sidecar, each atomically; neither file of this run stays if
-    the sidecar cannot be written (nor an older sidecar that no longer matches)."""
-    write_mp4(out, frames, fps, audio, sample_rate)
+    the sidecar cannot be written (with ``overwrite`` nor an older sidecar that no longer
+    matches; without it neither file may exist: another run's files are never touched)."""
+    write_mp4(out, frames, fps, audio, sample_rate, overwrite=overwrite)
     side["total_s"] = time.perf_counter() - t_start
     try:
-        write_sidecar(sidecar_path(out), side)
+        write_sidecar(sidecar_path(out), side, overwrite=overwrite)
     except BaseException:
         out.unlink()
-        sidecar_path(out).unlink(missing_ok=True)
+        if overwrite:
+            sidecar_path(out).unlink(missing_ok=True)
         raise
 
 

@@ -4,10 +4,7 @@ with its model config)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -16,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from headmoe.distributed.context import ParallelContext
+from headmoe.files import atomic_write
 from headmoe.models.magi2 import (
     PRESETS,
     BranchInput,
     Magi2Config,
     Magi2Transformer,
-    checkpoint_spec,
+    config_from_arg,
     get_config,
     load_checkpoint,
+    spec_digest,
     write_random_checkpoint,
 )
 from headmoe.models.magi2.loading import stream_layers
@@ -62,8 +61,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
-    each node's first rank, decoders on the output rank) or the stand-in text encoder and
-    decoders sized to the model's channels."""
+    each node's first rank, decoders on the output rank, image encoder on rank 0) or the
+    stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
@@ -84,7 +83,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
             placement.node_text_encoder(ctx, job.release, timeout),
             placement.output_video_decoder(ctx, job.release),
             placement.output_audio_decoder(ctx, job.release),
-            refiner_component(ctx, job, None if job.offload_layers else model)
+            image_encoder=placement.world_image_encoder(ctx, job.release),
+            refiner=refiner_component(ctx, job, None if job.offload_layers else model)
             if job.refiner is not None else None,
         )
     return Components(
@@ -130,19 +130,11 @@ def resolve_model(
 
     if model == "tiny":
         cfg = get_config("tiny")
-        spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
-        key = json.dumps([cfg.to_dict(), spec, TINY_CHECKPOINT_SEED], default=list)
-        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{spec_digest(cfg, TINY_CHECKPOINT_SEED)}"
         path = Path(cache_dir).expanduser() / f"{name}.safetensors"
         if write and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-            try:
-                write_random_checkpoint(cfg, tmp, seed=TINY_CHECKPOINT_SEED)
-                os.replace(tmp, path)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
+            atomic_write(path, lambda tmp: write_random_checkpoint(cfg, tmp,
+                                                                   seed=TINY_CHECKPOINT_SEED))
         return cfg, str(path)
     if model in PRESETS:
         raise ValueError(
@@ -156,14 +148,7 @@ def resolve_model(
             f".safetensors.index.json file, got {model!r}"
         )
     if model_config is not None:
-        if model_config in PRESETS:
-            return get_config(model_config), str(path)
-        if not Path(model_config).expanduser().is_file():
-            raise ValueError(
-                f"model_config={model_config!r} is neither a preset "
-                f"({', '.join(sorted(PRESETS))}) nor a JSON file"
-            )
-        return Magi2Config.from_json(Path(model_config).expanduser()), str(path)
+        return config_from_arg(model_config), str(path)
     cfg_file = path.parent / "config.json"
     if not cfg_file.is_file():
         raise ValueError(

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from headmoe.config import ParallelConfig
 from headmoe.distributed.sharding import sp_token_counts
 from headmoe.models.refiner import MLP_CHUNK_ROWS, Magi2RefinerConfig, refiner_weight_bytes
+from headmoe.pipeline.video_latents import frame_count
+from headmoe.planner.memory import MemoryEstimate
 
 #: live fp32 copies of the residual-width tensors in one layer (residual, norm output,
 #: attention branch, gated output) and of one MLP chunk's [rows, 2I] (up_gate output, its
@@ -147,3 +150,21 @@ def plan_refiner(config: Magi2RefinerConfig, thw: tuple[int, int, int], text_tok
         plans.append(RefinerPlan(*key, refiner_memory(config, thw, text_tokens, p, dtype),
                                  forwards, forwards * work.flop / p.ulysses_degree))
     return work, plans
+
+
+def stage_estimate(config: Magi2RefinerConfig, stage: Any, thw: tuple[int, int, int],
+                   text_tokens: int, parallel: ParallelConfig, dtype: torch.dtype,
+                   preview: MemoryEstimate, offload: bool) -> MemoryEstimate:
+    """The busiest phase of a request with a refiner `stage` (a `RefinerStage`), per rank:
+    the preview (`preview`, its estimate) with the refiner's weights beside it, or the
+    refiner stage with the preview's weights and the decode of the refined clip (fp32
+    pixels, their permuted copy, uint8 frames). With `offload` the idle stage's weights live
+    on the host."""
+    ref = refiner_memory(config, thw, text_tokens, parallel, dtype)
+    idle = 0 if offload else 1
+    frames = frame_count(thw[0]) * stage.height * stage.width * 3 * (4 + 4 + 1)
+    return max(
+        MemoryEstimate(preview.weights + idle * ref.weights, preview.activations,
+                       preview.workspace, preview.decode),
+        MemoryEstimate(ref.weights + idle * preview.weights, ref.activations, 0, frames),
+        key=lambda e: e.total)
