@@ -12,7 +12,11 @@
     is being rewritten): RMSNorm, linear_qkv, attention over the full sequence for the
     rank's 3 heads, linear_proj, split_linear, the MoE for the rank's 3 heads of 4 ranks'
     tokens, merge_linear and the shared experts, in ms; no collectives (one GPU);
-(e) a table on stdout and in the markdown file `--out`.
+(e) a table on stdout and in the markdown file `--out`;
+(f) the refiner's block-grid range attention at 1080p (63x68x120 latents + 512 text
+    tokens, SP8 per-rank heads: 4 query, 1 KV, 128 dims, bf16): against the CPU path,
+    head-subset rows bit-identical, TFLOP/s of the attended pairs beside dense SDPA over as
+    many pairs.
 
 Targets (printed as ratios, never asserted by timed tests): experts >= 30% of peak at
 29,672 tokens and >= 10x the per-group loop; attention >= 40% of peak; every invariance
@@ -400,6 +404,60 @@ def bench_attention(rep: Report, sh: Shapes, dtype: torch.dtype, timer: Timer) -
     rep.add("c", "torch SDPA per segment, no sink (reference)", shape, tflops(flop, timer(sdpa)))
 
 
+# ---------------------------------------------------------------------------- (f) refiner
+#: the refiner's block-grid attention: (latent T, H, W, text tokens, query heads, KV heads,
+#: head dim); full: 1080p at SP8 per-rank heads; dry: a ragged 9x5x14 grid
+REFINER_FULL = (63, 68, 120, 512, 4, 1, 128)
+REFINER_DRY = (9, 5, 14, 6, 4, 2, 16)
+
+
+def refiner_attention(rep: Report, dry: bool, dtype: torch.dtype, timer: Timer) -> None:
+    """(f) The refiner's block-sparse range attention (`triton_range_attention`) over the
+    1080p block grid at SP8 per-rank heads: against the CPU path on a slice of the query
+    tiles (max abs error), rows bit-identical for a head subset, and TFLOP/s of the
+    attended pairs beside dense SDPA (FlashAttention) over as many pairs."""
+    from headmoe.layers.range_attention import RangePlan, range_attention_reference
+    from headmoe.layers.triton_range_attention import triton_range_attention
+    from headmoe.models.refiner import attention_plan, get_refiner_config, pack_refiner
+
+    t, h, w, lt, hq, hkv, dim = REFINER_DRY if dry else REFINER_FULL
+    cfg = get_refiner_config("magi2-refiner")
+    packed = pack_refiner(torch.zeros(48, t, h, w), torch.zeros(lt, cfg.text_in_channels), cfg)
+    plan = attention_plan(packed)
+    n, pairs = plan.num_tokens, plan.pairs()
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    q, k, v = (torch.randn(n, heads, dim, generator=g, device=DEVICE).to(dtype)
+               for heads in (hq, hkv, hkv))  # fmt: skip
+    scale = dim**-0.5
+    shape = f"{t}x{h}x{w}+{lt} tok, {hq}/{hkv} heads x {dim}"
+    full = triton_range_attention(q, k, v, plan, scale)
+    few = slice(0, min(48, len(plan.q_tiles)))  # some tiles: the CPU path is slow at 1080p
+    part = RangePlan(plan.q_tiles[few], plan.k_offsets[: few.stop + 1],
+                     plan.k_ranges[: int(plan.k_offsets[few.stop])], n)
+    ref = range_attention_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), part,
+                                     scale)
+    rows = int(plan.q_tiles[few.stop - 1, 1])
+    err = float((full[:rows].float().cpu() - ref[:rows]).abs().max())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    rep.add("f", "refiner attention vs CPU path (max abs err, first tiles)", shape,
+            f"{err:.2e}", f"<= {tol:g}", err <= tol)
+    sub = triton_range_attention(q[:, hq // hkv:], k[:, 1:], v[:, 1:], plan, scale)
+    bad = mismatched_rows(sub, full[:, hq // hkv:])
+    rep.add("f", "refiner attention rows bit-identical (head subset)", shape,
+            f"{bad} rows differ", "0", bad == 0)
+    flop = 4.0 * pairs * dim * hq
+    rep.add("f", f"refiner attention, Triton ({pairs:.3g} pairs, "
+            f"{100 * pairs / n**2:.2f}% of dense)", shape, tflops(flop, timer(
+                lambda: triton_range_attention(q, k, v, plan, scale))))
+    side = int(pairs**0.5)  # dense attention over as many pairs
+    dq, dk, dv = (torch.randn(1, hq, side, dim, generator=g, device=DEVICE).to(dtype)
+                  for _ in range(3))  # fmt: skip
+    rep.add("f", "dense SDPA over the same pairs (reference)", f"L={side:,}, {hq} heads x {dim}",
+            tflops(4.0 * side**2 * dim * hq, timer(
+                lambda: torch.nn.functional.scaled_dot_product_attention(dq, dk, dv,
+                                                                         scale=scale))))
+
+
 # ---------------------------------------------------------------------------- (d) layer
 def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """MAGI-2's RMSNorm in fp32 (`x * rsqrt(mean(x^2) + 1e-6) * (1 + w)`), back to x's dtype."""
@@ -514,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_moe(rep, sh, dtype, timer)
         bench_attention(rep, sh, dtype, timer)
         bench_layer(rep, sh, dtype, timer)
+        refiner_attention(rep, args.dry_run, dtype, timer)
     args.out.write_text(header(args.dry_run) + rep.markdown())
     print(f"wrote {args.out}")
     failed = rep.failed_checks()

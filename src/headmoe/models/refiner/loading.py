@@ -17,7 +17,12 @@ import os
 import torch
 from safetensors import safe_open
 
-from headmoe.models.magi2.loading import LoadReport, check_headers, write_random_tensors
+from headmoe.models.magi2.loading import (
+    LoadReport,
+    check_headers,
+    flush_batch,
+    write_random_tensors,
+)
 from headmoe.models.refiner.config import Magi2RefinerConfig
 from headmoe.models.refiner.model import Magi2Refiner
 
@@ -74,16 +79,10 @@ def load_refiner(
                 batch[name] = tensor
                 held += tensor.numel() * tensor.element_size()
                 if held >= max_batch_bytes:
-                    _flush(model, batch)
+                    flush_batch(model, batch)
                     held = 0
-    _flush(model, batch)
+    flush_batch(model, batch)
     return report
-
-
-def _flush(model: Magi2Refiner, tensors: dict[str, torch.Tensor]) -> None:
-    result = model.load_state_dict(tensors, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys  # names checked above
-    tensors.clear()
 
 
 def write_random_refiner(
