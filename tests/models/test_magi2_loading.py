@@ -96,7 +96,7 @@ def test_index_shards_must_stay_inside_the_folder(tmp_path, full):
     names = list(full)
     for shard in ("../other.safetensors", str(tmp_path / "other.safetensors"),
                   "link.safetensors", "../../etc/passwd"):
-        with pytest.raises(ValueError, match="outside the index's folder"):
+        with pytest.raises(ValueError, match="outside the folder|not a relative file name"):
             check_checkpoint(SMALL, _index(inner, dict.fromkeys(names, shard)))
     with pytest.raises(ValueError, match="shard file .*missing.safetensors.* is missing"):
         check_checkpoint(SMALL, _index(inner, dict.fromkeys(names, "missing.safetensors")))

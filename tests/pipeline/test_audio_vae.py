@@ -127,7 +127,7 @@ def test_problems_named(tmp_path):
     with pytest.raises(ValueError) as err:
         av.load_oobleck_decoder(_edited_folder(tmp_path, rename))
     msg = str(err.value)
-    assert "missing tensors (1): block.1.conv_t1.bias;" in msg  # diffusers spelling
+    assert "1 missing tensors: block.1.conv_t1.bias;" in msg  # diffusers spelling
     assert (
         "pretransform.model.decoder.layers.1.layers.1.bias (block.0.conv_t1.bias): expected [64], found [3]"
         in msg

@@ -12,7 +12,7 @@ from headmoe.pipeline.encoders import ByteTextEncoder, TinyAudioDecoder, TinyVid
 from headmoe.pipeline.job import GenerateJob, output_path, run_job, run_jobs
 from headmoe.pipeline.media import quantize_audio, read_mp4, tensor_sha256
 from headmoe.pipeline.request import GenerateRequest
-from headmoe.pipeline.sampler import cfg_combine, flow_sigmas, make_sampler
+from headmoe.pipeline.sampler import UniPCSampler, cfg_combine, released_schedule
 from headmoe.testing import run_ranks
 from tests.pipeline.fake import AUDIO_C, TEXT_C, VIDEO_C, fake_components, fake_velocity
 
@@ -32,15 +32,18 @@ def _job(parallel=None, output=None, request=REQ):
 
 
 def _reference(req, seed):
-    """The pipeline written out step by step from the spec (one process, no parallelism)."""
+    """The pipeline written out step by step from the spec (one process, no parallelism):
+    the release's noise draw (video ``[1, C, T, H, W]`` first, then audio ``[1, L, C]``),
+    the released schedule with the integer model time, UniPC per latent."""
     vdec, adec, enc = TinyVideoDecoder(VIDEO_C), TinyAudioDecoder(AUDIO_C), ByteTextEncoder(TEXT_C)
-    gen = torch.Generator().manual_seed(seed)
-    xv = torch.randn((4, 4, 6, VIDEO_C), generator=gen)
-    xa = torch.randn((26, AUDIO_C), generator=gen)
+    torch.manual_seed(seed)  # the reference seeds the global generator
+    xv = torch.randn(1, VIDEO_C, 4, 4, 6)[0].permute(1, 2, 3, 0)
+    xa = torch.randn(1, 26, AUDIO_C)[0]
     tc, tu = enc.encode(req.prompt), enc.encode(req.negative_prompt)
-    sig = flow_sigmas(req.num_inference_steps, req.shift)
-    sv, sa = make_sampler(req.sampler, sig), make_sampler(req.sampler, sig)
-    for i, s in enumerate(sig[:-1]):
+    sched = released_schedule(req.num_inference_steps, req.shift)
+    sv, sa = UniPCSampler(sched), UniPCSampler(sched)
+    for i in range(req.num_inference_steps):
+        s = float(sched.timesteps[i].float() / 1000)
         v = cfg_combine(fake_velocity(xv, tc, s), fake_velocity(xv, tu, s), req.guidance_scale)
         a = cfg_combine(
             fake_velocity(xa, tc, s), fake_velocity(xa, tu, s), req.audio_guidance_scale
@@ -66,13 +69,24 @@ def test_single_rank_matches_reference_and_writes_outputs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.json", "clip.mp4"]
 
 
-def test_euler_sampler_and_seed_change_the_output():
-    euler_req = GenerateRequest(
-        prompt="a cat", negative_prompt="blur", num_inference_steps=3, sampler="euler"
-    )
-    euler = run_job(ParallelContext.single(), _job(request=euler_req))
-    assert (euler["video_sha256"], euler["audio_sha256"]) == _reference(euler_req, 0)
-    assert euler["video_sha256"] != _reference(REQ, 0)[0] != _reference(REQ, 1)[0]
+def test_seed_changes_the_output():
+    assert _reference(REQ, 0)[0] != _reference(REQ, 1)[0]
+
+
+def test_noise_is_drawn_as_the_release_draws_it():
+    torch.manual_seed(7)
+    video, audio = torch.randn(1, VIDEO_C, 4, 4, 6), torch.randn(1, 26, AUDIO_C)
+    req = GenerateRequest(prompt="a cat", seed=7)
+    parts = fake_components(None, None)
+    noise = job_module.draw_noise(ParallelContext.single(), req, parts)
+    assert torch.equal(noise.video, video[0].permute(1, 2, 3, 0))
+    assert torch.equal(noise.audio, audio[0]) and noise.seed == 7
+
+
+def test_cuda_noise_needs_a_cuda_rank():
+    req = GenerateRequest(prompt="a cat", noise_device="cuda")
+    with pytest.raises(ValueError, match="noise_device='cuda' needs ranks on CUDA devices"):
+        job_module.draw_noise(ParallelContext.single(), req, fake_components(None, None))
 
 
 def test_output_path_per_dp_group():
@@ -86,6 +100,8 @@ def test_output_path_per_dp_group():
         ({"height": 0}, "height"),
         ({"fps": 0.0}, "fps"),
         ({"sampler": "ddim"}, "sampler"),
+        ({"sampler": "euler"}, "sampler"),
+        ({"noise_device": "gpu"}, "noise_device"),
         ({"dtype": "fp16"}, "dtype"),
         ({"seed": -1}, "seed"),
         ({"num_inference_steps": 0}, "num_inference_steps"),

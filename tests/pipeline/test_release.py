@@ -129,7 +129,7 @@ def test_missing_shard_and_empty_file(folder, copy, tmp_path, capsys, monkeypatc
     shard = sorted(set(index["weight_map"].values()))[1]
     (copy / "preview" / shard).unlink()
     err = _refused(copy, tmp_path, capsys, monkeypatch)
-    assert f"shard file '{copy / 'preview' / shard}' is missing" in err, err
+    assert f"shard file '{shard}' is missing" in err, err
     os.link(folder / "preview" / shard, copy / "preview" / shard)
     _replace(copy / "text_encoder" / "model.safetensors", lambda p: open(p, "wb").close())
     err = _refused(copy, tmp_path, capsys, monkeypatch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headmoe.pipeline import text_encoder as te
+from headmoe.pipeline.prompts import RELEASED_SPLIT_PATTERN, normalize_prompt
+from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.pipeline.tiny_text_encoder import TINY_CORPUS, build_tiny_text_encoder
 
 PROMPTS = ["A red fox runs across a snowy field", "Waves", "Zwei Kinder lachen; 山の上に雪"]
@@ -86,13 +89,28 @@ def test_right_padding_batch_equals_single(enc):
 
 
 def test_truncation_at_7000_reported(enc):
-    assert te.MAX_TOKENS == 7000 and enc.max_tokens == 7000
+    assert MAX_TEXT_TOKENS == 7000 and enc.max_tokens == 7000
     text = " ".join(TINY_CORPUS) * 40
     count = len(enc.tokenizer(text)["input_ids"])
     assert count > 7000
     batch = enc.encode_batch([text])
     assert batch.lengths == [7000] and batch.token_counts == [count] and batch.truncated == [True]
     assert batch.features.shape == (1, 7000, 64) and bool(batch.mask.all())
+
+
+def test_released_prompt_handling_is_wired_in(enc, folder):
+    # the released split sits in front of the folder's own pre-tokenizer, and a JSON prompt
+    # is tokenized as its compact markdown (tests/pipeline/test_prompts.py: the golden cases)
+    from transformers import AutoTokenizer
+
+    pre = enc.tokenizer.backend_tokenizer.pre_tokenizer
+    assert type(pre).__name__ == "Sequence" and RELEASED_SPLIT_PATTERN[:20] in str(pre)
+    prompt = json.dumps({"global_layer": {"context": "The library", "description": "Dust."}})
+    ids, count = enc.tokenize(prompt)
+    assert normalize_prompt(prompt) == "context: The library\nDust."
+    assert ids == enc.tokenizer(normalize_prompt(prompt))["input_ids"] and count == len(ids)
+    plain = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert ids != plain(normalize_prompt(prompt))["input_ids"]  # "The" -> "T", "he"
 
 
 def test_empty_text_gives_one_token(enc):
@@ -135,8 +153,8 @@ def test_problems_named_before_loading(folder, tmp_path):
     with pytest.raises(ValueError) as err:
         te.Qwen35TextEncoder.from_folder(_copy(folder, tmp_path, break_))
     msg = str(err.value)
-    assert "missing tensors (1): layers.4.mlp.down_proj.weight" in msg
-    assert "unexpected tensors (1): extra.weight" in msg
+    assert "1 missing tensors: layers.4.mlp.down_proj.weight" in msg
+    assert "1 unexpected tensors: extra.weight" in msg
     assert "layers.0.mlp.up_proj.weight: expected [128, 64], found [3, 3]" in msg
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match="file .config.json. is missing"):
         te.Qwen35TextEncoder.from_folder(tmp_path)

@@ -131,7 +131,7 @@ def test_checkpoint_problems_named(tmp_path):
     with pytest.raises(ValueError) as err:
         tv.load_turbo_vae(_release_folder(tmp_path, bad))
     msg = str(err.value)
-    assert "missing tensors (1): module.decoder.conv_out.conv.bias" in msg
+    assert "1 missing tensors: module.decoder.conv_out.conv.bias" in msg
     assert "module.decoder.conv_in.conv.bias: expected [32], found [5]" in msg
 
 

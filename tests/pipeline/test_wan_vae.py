@@ -126,7 +126,7 @@ def test_pth_folder_and_problems_named(tmp_path):
     with pytest.raises(ValueError) as err:
         wv.load_wan_vae(tmp_path, cfg)
     msg = str(err.value)
-    assert "missing tensors (1): decoder.up_blocks.0.resnets.0.conv1.weight" in msg
+    assert "1 missing tensors: decoder.up_blocks.0.resnets.0.conv1.weight" in msg
     assert (
         "decoder.upsamples.0.upsamples.0.residual.2.weight_x (decoder.up_blocks.0.resnets.0.conv1.weight_x)"
         in msg

@@ -88,6 +88,15 @@ def check_seed(seed: int, dp_size: int) -> None:
                         f"+ k, all below 2**63), pick a seed in that range")
 
 
+def check_noise_device(noise_device: str) -> None:
+    """``--noise-device cuda`` needs a CUDA device here (the ranks draw on theirs)."""
+    import torch
+
+    if noise_device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--noise-device cuda draws the noise on the GPU, but no CUDA device "
+                        "is available here; use --noise-device cpu")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """The checks that need only the flags; sets ``args.prompt`` from --prompt-file."""
     args.prompt = read_prompt(args)

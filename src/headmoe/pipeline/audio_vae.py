@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headmoe.files import read_json
 from headmoe.pipeline.weights import check_tensors, open_safetensors
 
 CONFIG_FILE = "model_config.json"
@@ -246,8 +247,8 @@ def folder_config(folder: str | os.PathLike) -> tuple[OobleckConfig, str]:
     for p in (cfg_path, path):
         if not os.path.isfile(p):
             raise ValueError(f"stable-audio folder {folder!r}: missing {os.path.basename(p)}")
-    with open(cfg_path) as f:
-        return OobleckConfig.from_model_config(json.load(f), cfg_path), path
+    return OobleckConfig.from_model_config(read_json(cfg_path, "stable-audio config"),
+                                           cfg_path), path
 
 
 def check_oobleck_decoder(folder: str | os.PathLike) -> OobleckConfig:

@@ -11,6 +11,9 @@ import torch
 from headmoe.pipeline.sampler import SAMPLERS
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: where the initial noise is drawn: "cpu" (every layout and device gives the same bytes)
+#: or "cuda" (the reference's CUDA generator: values depend on the GPU model)
+NOISE_DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
 #: headmoe's default negative prompt (our own wording, not the release's: MAGI-2 Preview
 #: uses a fixed long negative prompt of its own for the unconditional branch)
@@ -42,6 +45,8 @@ class GenerateRequest:
     dtype: str = "fp32"
     """Dtype of the transformer's linears and experts ("fp32" or "bf16"); latents, sampler
     and decoders are always fp32."""
+    noise_device: str = "cpu"
+    """Generator of the initial noise (`NOISE_DEVICES`)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt", "negative_prompt"):
@@ -64,6 +69,9 @@ class GenerateRequest:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {self.sampler!r}")
+        if self.noise_device not in NOISE_DEVICES:
+            raise ValueError(
+                f"noise_device must be one of {NOISE_DEVICES}, got {self.noise_device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
 

@@ -1,182 +1,194 @@
-"""Flow-matching samplers: shifted sigma schedule, Euler, and UniPC multistep (order 2).
+"""The released MAGI-2 sampler: schedule, integer model time, UniPC with the fixed rho, CFG.
 
-Conventions (MAGI2.md section 4)
---------------------------------
-A latent at noise level sigma in [0, 1] is ``x = (1 - sigma) * x0 + sigma * noise``; the model
-predicts the velocity ``v = dx/dsigma = noise - x0``. Sampling integrates from the first sigma
-(almost 1) down to 0. With ``alpha = 1 - sigma`` the data prediction is ``m = x - sigma * v``
-and the log signal-to-noise ratio ``lambda = log(alpha / sigma)`` grows as sigma falls.
+This is the function of MAGI2.md section 6.1-6.4, judged bit for bit by
+``golden/magi2_pipeline/scheduler.safetensors`` (see its README, part (a)).
 
-Schedule: ``num_train_timesteps`` training steps; the base grid is
-``sigma_j = (1 - 1 / num_train_timesteps) * j / n`` for ``j = n, ..., 1``, each shifted with
-``sigma' = shift * sigma / (1 + (shift - 1) * sigma)``, then a final 0.
+Conventions
+-----------
+A latent at noise level sigma in [0, 1] is ``x = (1 - sigma) * x0 + sigma * noise``; the
+model predicts the velocity ``v = noise - x0``. With ``alpha = 1 - sigma`` the data
+prediction is ``m = x - sigma * v`` and ``lambda = log(alpha) - log(sigma)`` grows as sigma
+falls (``+inf`` at the final sigma 0).
 
-UniPC (Zhao et al., 2023, "UniPC: A Unified Predictor-Corrector Framework for Fast Sampling
-of Diffusion Models"), data-prediction form, derived here for the flow-matching
-parametrisation. The exact solution from ``s`` to ``t`` is
+Schedule (`released_schedule`)
+------------------------------
+``s = linspace(sigma_max, 0, n + 1)[:-1]`` in float64 with ``sigma_max = float32(1 - 1/1000)``
+read back as a Python float, shifted ``s' = shift s / (1 + (shift - 1) s)`` (float64); the
+integer timesteps are ``int64(1000 s')`` (truncated, before any float32 cast) and the sigmas
+``float32(s' ++ [0])``. The transformer is given ``float32(t) / 1000`` (float32), i.e. the
+integer timestep, not ``1000 sigma``.
 
-    x_t = (sigma_t / sigma_s) x_s + sigma_t * integral_{lambda_s}^{lambda_t} e^lambda m(lambda) dlambda.
+UniPC step (`UniPCSampler`; Zhao et al. 2023, "UniPC", data prediction, the "bh2" weights)
+-----------------------------------------------------------------------------------------
+All scalars are float32 0-dim tensors. For a step from sigma_s to sigma_t:
+``h = lambda_t - lambda_s``, ``hh = -h``, ``h_phi_1 = expm1(hh)``, ``B_h = expm1(hh)`` and the
+first-order part ``x_t' = (sigma_t / sigma_s) x - (alpha_t h_phi_1) m_s``.
 
-With ``h = lambda_t - lambda_s`` and ``m`` expanded around ``lambda_s`` as
-``m_s + u m' + u^2 / 2 m''`` the integral gives
-``alpha_t [(1 - e^-h) m_s + g1 m' + g2 m'']`` with ``g1 = h - 1 + e^-h`` and
-``g2 = h^2 / 2 - h + 1 - e^-h``. UniPC replaces the derivatives by differences
-``D_k = m_k - m_s`` at earlier (or, for the corrector, later) points ``r_k = (lambda_k -
-lambda_s) / h`` with weights ``B(h) * rho_k`` (``B(h) = 1 - e^-h``, the paper's "bh2"), and
-picks ``rho`` so that the expansion matches to the order used:
+- Predictor, order 1: ``x_t = x_t' - (alpha_t B_h) 0``; order 2 (one earlier point k):
+  ``r = (lambda_k - lambda_s) / h``, ``D = (m_k - m_s) / r`` and the **fixed** ``rho = 0.5``:
+  ``x_t = x_t' - (alpha_t B_h) (rho D)``.
+- Corrector (UniC), from the second step on, before the predictor, on the step just taken
+  (s = i - 1 to t = i) with the new model output ``m_t``, at the order the previous
+  predictor used. Order 1: ``x_t = x_t' - (alpha_t B_h) (0 + 0.5 (m_t - m_s))``. Order 2:
+  ``rho = solve(R, b)`` (float32, ``torch.linalg.solve``) with ``R = [[1, 1], [r, 1]]``,
+  ``b_1 = (h_phi_1 / hh - 1) / B_h``, ``b_2 = 2 ((h_phi_1 / hh - 1) / hh - 1/2) / B_h``;
+  ``x_t = x_t' - (alpha_t B_h) (rho_1 D + rho_2 (m_t - m_s))``.
+- Orders 1, 2, ..., 2, 1: step ``i`` of ``n`` uses ``min(2, n - i, i + 1)``. The last step
+  (to sigma 0: ``h_phi_1 = B_h = -1``) returns the data prediction of its corrected input.
 
-- predictor UniP-2 (one earlier point ``r_1 < 0``): ``rho_1 r_1 = g1 / (h B)``;
-- corrector UniC (the earlier point and the new one at ``r = 1``): ``sum rho_k r_k = g1 / (h B)``
-  and ``sum rho_k r_k^2 = 2 g2 / (h^2 B)``; with no earlier point only the first equation.
-
-The corrector uses the model output at the predicted point, so it costs no extra model call;
-the corrected sample starts the next step. The first step has no history (order 1) and the
-last step (to sigma = 0, where lambda is infinite) is order 1: it returns the data
-prediction. All coefficients are Python floats computed from the schedule alone, and every
-update is elementwise, so every rank that holds the same inputs gets the same bits.
+Every update is elementwise on the latents with host-side scalars, so every rank that holds
+the same inputs gets the same bits, on any device.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from headmoe.config import is_int
 
-SAMPLERS: tuple[str, ...] = ("unipc", "euler")
+#: sampler names: the released UniPC is the only one (`--sampler`)
+SAMPLERS: tuple[str, ...] = ("unipc",)
+#: training timesteps of the released scheduler
+NUM_TRAIN_TIMESTEPS = 1000
+#: the released fixed UniPC coefficient (order-2 predictor and order-1 corrector)
+FIXED_RHO = 0.5
+SOLVER_ORDER = 2
 
 
-def shift_sigma(sigma: float, shift: float) -> float:
-    """MAGI-2's time shift ``shift * sigma / (1 + (shift - 1) * sigma)`` of one sigma."""
-    return shift * sigma / (1.0 + (shift - 1.0) * sigma)
+@dataclass(frozen=True)
+class Schedule:
+    """``timesteps [n]`` int64 (the integer model times) and ``sigmas [n + 1]`` float32
+    (decreasing, last 0), on the CPU."""
+
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.numel())
+
+    def model_time(self, i: int) -> float:
+        """Diffusion time the transformer receives at step ``i``: ``float32(t_i) / 1000``
+        computed in float32 (the time sinusoid multiplies it back by 1000 in float32)."""
+        t = self.timesteps[i].to(torch.float32) / NUM_TRAIN_TIMESTEPS
+        return float(t)
+
+    def sigma(self, i: int) -> float:
+        """``sigmas[i]`` as a Python float (for messages)."""
+        return float(self.sigmas[i])
 
 
-def flow_sigmas(num_steps: int, shift: float = 7.0, num_train_timesteps: int = 1000) -> list[float]:
-    """The ``num_steps + 1`` sigmas of a shifted flow-matching schedule, decreasing to 0.
+def released_schedule(num_steps: int, shift: float = 7.0,
+                      num_train_timesteps: int = NUM_TRAIN_TIMESTEPS) -> Schedule:
+    """The released flow-matching schedule of ``num_steps`` steps (see module doc).
 
     Raises `ValueError` naming the argument for ``num_steps < 1``, ``shift <= 0`` or
-    ``num_train_timesteps < 2``.
-    """
+    ``num_train_timesteps < 2``."""
     if not is_int(num_steps) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
-    if not (isinstance(shift, int | float) and math.isfinite(shift) and shift > 0):
+    if isinstance(shift, bool) or not isinstance(shift, int | float) \
+            or not math.isfinite(shift) or shift <= 0:
         raise ValueError(f"shift must be a positive number, got {shift!r}")
-    if not isinstance(num_train_timesteps, int) or num_train_timesteps < 2:
+    if not is_int(num_train_timesteps) or num_train_timesteps < 2:
         raise ValueError(f"num_train_timesteps must be an int >= 2, got {num_train_timesteps!r}")
-    top = 1.0 - 1.0 / num_train_timesteps
-    base = [top * j / num_steps for j in range(num_steps, 0, -1)]
-    return [shift_sigma(s, float(shift)) for s in base] + [0.0]
+    sigma_max = float(np.float32(1.0 - 1.0 / num_train_timesteps))
+    s = np.linspace(sigma_max, 0.0, num_steps + 1)[:-1]
+    shift = float(shift)
+    s = shift * s / (1 + (shift - 1) * s)
+    timesteps = torch.from_numpy(s * num_train_timesteps).to(torch.int64)
+    sigmas = torch.from_numpy(np.concatenate([s, [0.0]]).astype(np.float32))
+    return Schedule(timesteps, sigmas)
 
 
-class Sampler(Protocol):
-    """One latent's sampler state. ``sigmas`` has ``n + 1`` entries; call ``step(i, x, v)``
-    for ``i = 0 .. n - 1`` in order with the sample ``x`` the model saw at ``sigmas[i]`` and
-    its velocity ``v`` (same shape, fp32); it returns the sample at ``sigmas[i + 1]``."""
-
-    sigmas: list[float]
-
-    def step(self, i: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-
-class EulerSampler:
-    """First-order flow-matching Euler: ``x + (sigma_{i+1} - sigma_i) * v``. Any shape, fp32."""
-
-    def __init__(self, sigmas: list[float]):
-        self.sigmas = list(sigmas)
-
-    def step(self, i: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return x + (self.sigmas[i + 1] - self.sigmas[i]) * v
-
-
-def _lambda(sigma: float) -> float:
-    """log(alpha / sigma); +inf at sigma = 0."""
-    return math.log((1.0 - sigma) / sigma) if sigma > 0.0 else math.inf
+def _lambda(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha, lambda) of one 0-dim float32 sigma."""
+    alpha = 1 - sigma
+    return alpha, torch.log(alpha) - torch.log(sigma)
 
 
 class UniPCSampler:
-    """UniPC multistep, order 2 (UniP-2 predictor + UniC corrector), for one latent tensor of
-    any shape in fp32. Keeps its own history: use one instance per latent (video, audio)."""
+    """The released UniPC multistep scheduler (order 2) for one latent tensor of any shape
+    in float32. Keeps its own history: use one instance per latent (video, audio)."""
 
-    def __init__(self, sigmas: list[float]):
-        self.sigmas = list(sigmas)
-        if (
-            any(not 0.0 <= s < 1.0 for s in self.sigmas)
-            or self.sigmas[-1] != 0.0
-            or any(a <= b for a, b in zip(self.sigmas, self.sigmas[1:]))
-        ):
-            raise ValueError(
-                f"sigmas must decrease strictly in [0, 1) to a final 0, got {self.sigmas!r}"
-            )
-        self._m: list[torch.Tensor] = []  # data predictions at sigmas[0..i]
-        self._x_start: torch.Tensor | None = None  # corrected sample the last step started from
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.sigmas = schedule.sigmas
+        self._m: dict[int, torch.Tensor] = {}  # data predictions at the last two sigmas
+        self._last_sample: torch.Tensor | None = None  # the corrected start of the last step
         self._last_order = 0
         self._next = 0
 
-    def _coeffs(self, s: int, t: int) -> tuple[float, float, float, float]:
-        """(sigma_t / sigma_s, alpha_t, h, e^-h) for the step from sigmas[s] to sigmas[t]."""
-        sg_s, sg_t = self.sigmas[s], self.sigmas[t]
-        a_s, a_t = 1.0 - sg_s, 1.0 - sg_t
-        return sg_t / sg_s, a_t, _lambda(sg_t) - _lambda(sg_s), (a_s * sg_t) / (sg_s * a_t)
+    def _first_order(self, s: int, t: int, x: torch.Tensor):
+        """``(x_t', alpha_t B_h, h, h_phi_1, hh)`` of the step from sigmas[s] to sigmas[t]."""
+        sigma_s, sigma_t = self.sigmas[s], self.sigmas[t]
+        alpha_t, lambda_t = _lambda(sigma_t)
+        _, lambda_s = _lambda(sigma_s)
+        h = lambda_t - lambda_s
+        hh = -h
+        h_phi_1 = torch.expm1(hh)
+        b_h = torch.expm1(hh)
+        x_first = sigma_t / sigma_s * x - alpha_t * h_phi_1 * self._m[s]
+        return x_first, alpha_t * b_h, h, h_phi_1, hh
 
-    def _r(self, k: int, s: int, h: float) -> float:
-        return (_lambda(self.sigmas[k]) - _lambda(self.sigmas[s])) / h
+    def _difference(self, k: int, s: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(r, D)``: ``r = (lambda_k - lambda_s) / h`` and ``D = (m_k - m_s) / r``."""
+        r = (_lambda(self.sigmas[k])[1] - _lambda(self.sigmas[s])[1]) / h
+        return r, (self._m[k] - self._m[s]) / r
 
-    def _update(
-        self, s: int, t: int, x_s: torch.Tensor, diffs: list[tuple[float, torch.Tensor]]
-    ) -> torch.Tensor:
-        """x_t from x_s with the first-order term plus ``B(h) sum rho_k D_k`` (see module doc).
-        ``diffs`` are (r_k, D_k); for the corrector the last one is the new point (r = 1)."""
-        ratio, a_t, h, emh = self._coeffs(s, t)
-        m_s = self._m[s]
-        out = ratio * x_s + (a_t * (1.0 - emh)) * m_s
-        if not diffs:
-            return out
-        b = 1.0 - emh
-        g1 = (h - 1.0 + emh) / (h * b)
-        if len(diffs) == 1:
-            rhos = [g1 / diffs[0][0]]
-        else:
-            (r1, _), (r2, _) = diffs
-            g2 = 2.0 * (h * h / 2.0 - h + 1.0 - emh) / (h * h * b)
-            # rho1 r1 + rho2 r2 = g1 ; rho1 r1^2 + rho2 r2^2 = g2
-            det = r1 * r2 * (r2 - r1)
-            rhos = [(g1 * r2 * r2 - g2 * r2) / det, (g2 * r1 - g1 * r1 * r1) / det]
-        for rho, (_, d) in zip(rhos, diffs):
-            out = out + (a_t * b * rho) * d
-        return out
+    def _correct(self, i: int, m_t: torch.Tensor) -> torch.Tensor:
+        """UniC over the step from sigmas[i-1] to sigmas[i] with the new prediction ``m_t``."""
+        s = i - 1
+        x_first, scale, h, h_phi_1, hh = self._first_order(s, i, self._last_sample)
+        d_t = m_t - self._m[s]
+        if self._last_order == 1:
+            return x_first - scale * (0 + torch.tensor(FIXED_RHO) * d_t)
+        r, d = self._difference(s - 1, s, h)
+        b_h = torch.expm1(hh)
+        phi = h_phi_1 / hh - 1
+        b1 = phi * 1 / b_h
+        phi = phi / hh - 1 / 2
+        b2 = phi * 2 / b_h
+        rks = torch.tensor([float(r), 1.0])
+        lhs = torch.stack([torch.pow(rks, 0), torch.pow(rks, 1)])
+        rho = torch.linalg.solve(lhs, torch.tensor([float(b1), float(b2)]))
+        return x_first - scale * (rho[0] * d + rho[-1] * d_t)
+
+    def _predict(self, i: int, x: torch.Tensor, order: int) -> torch.Tensor:
+        """UniP from sigmas[i] to sigmas[i+1] at ``order`` (1 or 2)."""
+        x_first, scale, h, _, _ = self._first_order(i, i + 1, x)
+        if order == 1:
+            return x_first - scale * 0
+        _, d = self._difference(i - 1, i, h)
+        return x_first - scale * (torch.tensor(FIXED_RHO) * d)
 
     def step(self, i: int, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Advance from ``sigmas[i]`` to ``sigmas[i + 1]``. ``x``, ``v``: same shape, fp32."""
+        """Advance from ``sigmas[i]`` to ``sigmas[i + 1]``: ``x`` the sample the model saw,
+        ``v`` its (guided) velocity, same shape, float32. Steps run in order from 0."""
         if i != self._next:
             raise ValueError(f"step index must be {self._next} (steps run in order), got {i!r}")
+        n = self.schedule.num_steps
+        if i >= n:
+            raise ValueError(f"step index must be below num_steps={n}, got {i!r}")
         self._next += 1
-        self._m.append(x - self.sigmas[i] * v)
-        if i > 0:  # UniC: correct the sample the model just saw, using its own prediction
-            s = i - 1
-            h = self._coeffs(s, i)[2]
-            diffs = [(1.0, self._m[i] - self._m[s])]
-            if self._last_order == 2:
-                diffs.insert(0, (self._r(s - 1, s, h), self._m[s - 1] - self._m[s]))
-            x = self._update(s, i, self._x_start, diffs)
-        last = i + 1 == len(self.sigmas) - 1
-        order = 1 if i == 0 or last else 2
-        diffs = []
-        if order == 2:
-            h = self._coeffs(i, i + 1)[2]
-            diffs = [(self._r(i - 1, i, h), self._m[i - 1] - self._m[i])]
-        self._x_start, self._last_order = x, order
-        return self._update(i, i + 1, x, diffs)
+        m = x - self.sigmas[i] * v
+        if i > 0:
+            x = self._correct(i, m)
+        self._m[i] = m
+        self._m.pop(i - 2, None)
+        order = min(SOLVER_ORDER, n - i, i + 1)
+        self._last_sample, self._last_order = x, order
+        return self._predict(i, x, order).to(x.dtype)
 
 
-def make_sampler(name: str, sigmas: list[float]) -> Sampler:
-    """A fresh sampler ("unipc" or "euler") over ``sigmas``; raises `ValueError` naming
-    ``sampler`` for another name."""
+def make_sampler(name: str, schedule: Schedule) -> UniPCSampler:
+    """A fresh sampler over ``schedule``; raises `ValueError` naming ``sampler`` for a name
+    not in `SAMPLERS`."""
     if name == "unipc":
-        return UniPCSampler(sigmas)
-    if name == "euler":
-        return EulerSampler(sigmas)
+        return UniPCSampler(schedule)
     raise ValueError(f"sampler must be one of {SAMPLERS}, got {name!r}")
 
 

@@ -5,7 +5,9 @@ The feature is ``hidden_states[-3]`` of the full model, i.e. the output of decod
 ``L - 2`` layers (the last two are never built or loaded) and the final norm is skipped, so
 ``last_hidden_state`` *is* the feature. Prompts are raw text (no chat template), tokenized
 with the tokenizer's defaults, truncated at 7000 tokens, right-padded in batches; features
-come out in the model dtype (bf16 for the release, 5120-d).
+come out in the model dtype (bf16 for the release, 5120-d). Before tokenizing, a JSON prompt
+is rewritten to compact markdown and the tokenizer carries the released extra pre-tokenizer
+split (`headmoe.pipeline.prompts`), as in the release.
 
 `build_tiny_text_encoder` writes a tiny random Qwen3.5 text model and a byte-level BPE
 tokenizer trained offline on `TINY_CORPUS` to a folder in the Hugging Face format, the same
@@ -15,15 +17,17 @@ files a real ``text_encoder/`` holds, deterministically.
 from __future__ import annotations
 
 import copy
-import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
+from headmoe.files import check_entries, confined_file, index_map, read_json
+from headmoe.pipeline.prompts import add_released_split, normalize_prompt
+from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.pipeline.weights import check_tensors, open_safetensors
 
-MAX_TOKENS = 7000
 FEATURE_LAYER = -3  # hidden_states index of the feature
 
 
@@ -45,11 +49,23 @@ TEXT_PREFIXES = ("", "model.", "model.language_model.", "language_model.")
 NON_TEXT_PARTS = ("lm_head.", "model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
+#: ``model_type`` values of a Qwen3.5 config (the full model nests the text model's)
+QWEN35_TYPES = ("qwen3_5", "qwen3_5_text")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def _text_config(folder: str):
-    """The folder's ``Qwen3_5TextConfig`` (a full Qwen3.5 config nests it as text_config)."""
+    """The folder's ``Qwen3_5TextConfig`` (a full Qwen3.5 config nests it as text_config),
+    built by transformers' own Qwen3.5 classes: an ``auto_map`` is ignored, never run
+    (``trust_remote_code=False``), and another ``model_type`` is refused first."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(folder, local_files_only=True)
+    data = read_json(os.path.join(folder, "config.json"), "text encoder config")
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    if kind not in QWEN35_TYPES:
+        raise ValueError(f"text encoder config {os.path.join(folder, 'config.json')!r}: "
+                         f"model_type={kind!r}, expected one of {QWEN35_TYPES}")
+    cfg = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
     cfg = getattr(cfg, "text_config", cfg)
     if cfg.num_hidden_layers < 3:
         raise ValueError(
@@ -59,25 +75,43 @@ def _text_config(folder: str):
 
 
 def _weight_files(folder: str) -> dict[str, str]:
-    """name -> safetensors file, from ``model.safetensors`` or its ``.index.json``."""
+    """name -> safetensors file, from ``model.safetensors`` or its ``.index.json`` (every
+    shard a regular file inside the folder: `headmoe.files.index_map`)."""
+    check_entries(folder, f"text encoder folder {folder!r}: file")
     index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no 'weight_map' object")
-        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
-    single = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(single):
-        raise ValueError(f"text encoder folder {folder!r} has no model.safetensors(.index.json)")
+    if os.path.lexists(index):
+        return index_map(index)
+    single = confined_file(folder, "model.safetensors", f"text encoder folder {folder!r}: file")
     with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)  # noqa: SIM118
 
 
-def _checked_names(folder: str, expected: dict[str, tuple]) -> tuple[str, dict[str, str]]:
+def _check_layer_count(folder: str, cfg, where: dict[str, str]) -> None:
+    """Refuse a config whose layer count differs from the weights' before any skeleton of
+    ``num_hidden_layers`` layers is built."""
+    found = {int(m.group(1)) for n in where if not n.startswith(NON_TEXT_PARTS)
+             and (m := _LAYER.search(n))}
+    count = max(found) + 1 if found else 0
+    if cfg.num_hidden_layers != count:
+        raise ValueError(f"text encoder folder {folder!r}: config.json num_hidden_layers="
+                         f"{cfg.num_hidden_layers} but the weights hold {count} layers")
+
+
+def _skeleton(folder: str, cfg) -> tuple[object, dict[str, str]]:
+    """The full text model on the meta device and the weights' name -> file, after the
+    cheap layer-count check."""
+    from transformers import Qwen3_5TextModel
+
+    where = _weight_files(folder)
+    _check_layer_count(folder, cfg, where)
+    with torch.device("meta"):
+        return Qwen3_5TextModel(cfg), where
+
+
+def _checked_names(folder: str, expected: dict[str, tuple],
+                   where: dict[str, str]) -> tuple[str, dict[str, str]]:
     """Prefix of the text model in the files, and bare name -> file. Every expected tensor
     is checked (names and shapes, all layers) before anything is read."""
-    where = _weight_files(folder)
     prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in where), None)
     if prefix is None:
         raise ValueError(f"{folder}: no embed_tokens.weight under any of {TEXT_PREFIXES}")
@@ -99,10 +133,9 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     from transformers import Qwen3_5TextModel
 
     cfg = _text_config(folder)
-    with torch.device("meta"):
-        full = Qwen3_5TextModel(cfg)
+    full, where = _skeleton(folder, cfg)
     prefix, files = _checked_names(
-        folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}
+        folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}, where
     )
     total = cfg.num_hidden_layers
     cfg = copy.deepcopy(cfg)
@@ -126,11 +159,21 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def _tokenizer(folder: str):
+    """The folder's tokenizer, offline, by transformers' own classes (never the folder's
+    code: ``trust_remote_code=False``); ``tokenizer.json`` is parsed first so that a
+    corrupt one is named."""
+    from transformers import AutoTokenizer
+
+    for name in TOKENIZER_FILES:
+        read_json(os.path.join(folder, name), "text encoder tokenizer file")
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+
+
 def model_dtype(folder: str | os.PathLike) -> torch.dtype:
     """The folder's model dtype (``dtype`` / ``torch_dtype`` of ``config.json``, the outer
     config first; bfloat16 when it names none): the dtype MAGI-2 runs the encoder in."""
-    with open(os.path.join(os.fspath(folder), "config.json")) as f:
-        data = json.load(f)
+    data = read_json(os.path.join(os.fspath(folder), "config.json"), "text encoder config")
     for section in (data, data.get("text_config") or {}):
         name = section.get("dtype") or section.get("torch_dtype")
         if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
@@ -143,17 +186,13 @@ def check_text_encoder(folder: str | os.PathLike) -> int:
     tokenizer files (`TOKENIZER_FILES`, loaded offline) and every tensor header of the text
     model (names and shapes, all layers). Returns the feature width (``hidden_size``).
     Raises `ValueError` naming the file or tensors."""
-    from transformers import AutoTokenizer, Qwen3_5TextModel
-
     folder = os.fspath(folder)
     for name in ("config.json", *TOKENIZER_FILES):
-        if not os.path.isfile(os.path.join(folder, name)):
-            raise ValueError(f"text encoder folder {folder!r} has no {name}")
+        confined_file(folder, name, f"text encoder folder {folder!r}: file")
     cfg = _text_config(folder)
-    with torch.device("meta"):
-        full = Qwen3_5TextModel(cfg)
-    _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()})
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    full, where = _skeleton(folder, cfg)
+    _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}, where)
+    tok = _tokenizer(folder)
     if tok.pad_token_id is None:
         raise ValueError(f"{folder}: the tokenizer has no pad token")
     return int(cfg.hidden_size)
@@ -165,7 +204,7 @@ class Qwen35TextEncoder:
     Construct with `from_folder`. ``encode(text) -> [L, C]`` float32 (model-dtype values);
     `encode_batch` gives the batched form with the truncation report."""
 
-    def __init__(self, model, tokenizer, total_layers: int, max_tokens: int = MAX_TOKENS):
+    def __init__(self, model, tokenizer, total_layers: int, max_tokens: int = MAX_TEXT_TOKENS):
         self.model, self.tokenizer = model, tokenizer
         self.total_layers, self.max_tokens = total_layers, max_tokens
         self.out_channels = int(model.config.hidden_size)
@@ -178,29 +217,38 @@ class Qwen35TextEncoder:
         folder: str | os.PathLike,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",
-        max_tokens: int = MAX_TOKENS,
+        max_tokens: int = MAX_TEXT_TOKENS,
     ) -> Qwen35TextEncoder:
         """Load ``config.json``, the safetensors weights (``model.safetensors`` or an index;
         the text model may sit under ``model.`` / ``model.language_model.``, LM head, vision
         and MTP tensors are skipped by name) and the tokenizer files from ``folder``,
-        offline. All tensors are checked by name and shape first; the last two decoder
-        layers and the final norm are then not read."""
-        from transformers import AutoTokenizer
-
+        offline, with the released pre-tokenizer split in front of the tokenizer's own. All
+        tensors are checked by name and shape first; the last two decoder layers and the
+        final norm are then not read."""
         folder = os.fspath(folder)
-        if not os.path.isfile(os.path.join(folder, "config.json")):
-            raise ValueError(f"text encoder folder {folder!r} has no config.json")
+        confined_file(folder, "config.json", f"text encoder folder {folder!r}: file")
         model, total = _load_truncated(folder, dtype, device)
-        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tok = _tokenizer(folder)
+        add_released_split(tok)
         return cls(model.eval(), tok, total, max_tokens)
 
     def tokenize(self, text: str) -> tuple[list[int], int]:
-        """Token ids (at most ``max_tokens``; "" becomes one pad token) and the count before
-        truncation."""
-        ids = self.tokenizer(text)["input_ids"]
+        """Token ids of ``normalize_prompt(text)`` (at most ``max_tokens``; "" becomes one
+        pad token) and the count before truncation."""
+        ids = self.tokenizer(normalize_prompt(text))["input_ids"]
         count = len(ids)
         ids = ids[: self.max_tokens] or [self.tokenizer.pad_token_id]
         return ids, count
+
+    def figure_indices(self, text: str) -> list[int]:
+        """Indices of the tokens that spell the ``<Figure 1>`` marker in ``text`` as
+        `tokenize` reads it (`i2v.figure_token_indices` over the tokenizer's character
+        offsets into ``normalize_prompt(text)``), less any that truncation drops."""
+        from headmoe.pipeline.i2v import figure_token_indices
+
+        seen = normalize_prompt(text)
+        offsets = self.tokenizer(seen, return_offsets_mapping=True)["offset_mapping"]
+        return [i for i in figure_token_indices(seen, offsets) if i < self.max_tokens]
 
     @torch.no_grad()
     def encode_batch(self, texts: list[str]) -> TextFeatures:

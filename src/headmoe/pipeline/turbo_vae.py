@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headmoe.files import read_json
 from headmoe.pipeline import video_latents
 from headmoe.pipeline.weights import check_tensors, read_tensors
 
@@ -106,8 +107,7 @@ class TurboVAEConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> TurboVAEConfig:
-        with open(path) as f:
-            return cls.from_dict(json.load(f), source=os.fspath(path))
+        return cls.from_dict(read_json(path, "TurboV3 config"), source=os.fspath(path))
 
 
 class TimePadConv3d(nn.Module):

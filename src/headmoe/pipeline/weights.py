@@ -13,6 +13,8 @@ from collections.abc import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
+from headmoe.files import listing
+
 
 def open_safetensors(path: str | os.PathLike):
     """``safe_open(path, framework="pt")``; a missing or corrupt file raises `ValueError`
@@ -75,13 +77,9 @@ def check_tensors(
         for n in expected
         if n in found and shape(found[n]) != list(expected[n])
     ]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): {', '.join(unexpected)}")
-    if bad:
-        problems.append(f"mis-shaped tensors ({len(bad)}): {'; '.join(bad)}")
+    problems = [listing(kind, items) for kind, items in (
+        ("missing tensors", missing), ("unexpected tensors", unexpected),
+        ("mis-shaped tensors", bad)) if items]
     if problems:
         raise ValueError(f"{source}: " + "; ".join(problems))
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from headmoe.config import ParallelConfig, check_positive_int, is_int, is_number
+from headmoe.files import brief
 
 #: modality ids, in packing order ([video | audio | text]); modality-specific weights are
 #: stored modality-major in this order
@@ -76,7 +77,7 @@ class Magi2Config:
         ) or len(set(layers)) != len(layers):
             raise ValueError(
                 f"multimodal_layers must be a tuple of distinct layer ids in "
-                f"[0, {self.num_layers}), got {layers!r}"
+                f"[0, {self.num_layers}), got {brief(layers)}"
             )
         self._check_divisible("hidden_size", self.hidden_size, "head_dim", self.head_dim)
         self._check_divisible("hidden_size", self.hidden_size, "moe_num_heads", self.moe_num_heads)
@@ -266,8 +267,8 @@ def _from_public(data: dict[str, Any], name: str) -> Magi2Config:
     moe_layers = data.get("moe", {}).get("layers")
     if moe_layers is not None and tuple(moe_layers) != cfg.moe_layer_ids:
         raise ValueError(
-            f"model config field moe.layers={list(moe_layers)!r} must be the layers that are "
-            f"not multimodal, {list(cfg.moe_layer_ids)!r}"
+            f"model config field moe.layers={brief(moe_layers)} must be the layers that are "
+            f"not multimodal, {brief(cfg.moe_layer_ids)}"
         )
     return cfg
 

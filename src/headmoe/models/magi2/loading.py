@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from headmoe.files import index_map, listing
 from headmoe.layers.rope import default_bands
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.models.magi2.model import Magi2Transformer
@@ -45,8 +47,9 @@ from headmoe.moe.checkpoint import MOE_ROW_TENSORS
 INDEX_SUFFIX = ".safetensors.index.json"
 MOE_MARKER = ".mlp.moe_mlp."
 PREFIX = "transformer."
-#: problems listed per kind in an error message before "... and N more"
-MAX_LISTED = 12
+#: name prefix of transformer layer ``i``'s tensors: ``block.layers.<i>.``
+LAYER_PREFIX = "block.layers."
+_LAYER = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.")
 _DTYPE_NAMES = {v: k for k, v in FLOAT_DTYPES.items()}
 
 
@@ -74,61 +77,45 @@ class LoadReport:
 
 
 # ---------------------------------------------------------------------- headers
-def _listing(kind: str, items: list[str]) -> str:
-    shown = "; ".join(items[:MAX_LISTED])
-    more = f" ... and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
-    return f"{len(items)} {kind}: {shown}{more}"
-
-
-def _index_map(path: str) -> dict[str, str]:
-    """name -> shard file of a `*.safetensors.index.json`; every shard must be a relative
-    name that resolves (after links) inside the index's folder and exists."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"checkpoint index {path!r} is not a readable JSON file: {e}") from None
-    wmap = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wmap, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
-    ):
-        raise ValueError(f"checkpoint index {path!r} needs a 'weight_map' object of strings")
-    base = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-    out = {}
-    for shard in sorted(set(wmap.values())):
-        full = os.path.realpath(os.path.join(base, shard))
-        if os.path.isabs(shard) or os.path.commonpath([base, full]) != base:
-            raise ValueError(
-                f"checkpoint index {path!r}: shard {shard!r} lies outside the index's folder "
-                f"{base!r}; shards must be files in that folder"
-            )
-        if not os.path.isfile(full):
-            raise ValueError(f"checkpoint index {path!r}: shard file {full!r} is missing")
-        out[shard] = full
-    return {name: out[shard] for name, shard in wmap.items()}
-
-
 def _headers(path: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """stored name -> (file, shape, safetensors dtype) from the file headers only."""
-    where = _index_map(path) if path.endswith(INDEX_SUFFIX) else None
+    where = index_map(path) if path.endswith(INDEX_SUFFIX) else None
     files = sorted(set(where.values())) if where is not None else [path]
-    out = {}
+    out: dict[str, tuple[str, tuple[int, ...], str]] = {}
+    twice: list[str] = []
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 names = f.keys()  # safe_open handles are not iterable
                 for name in names:
+                    if name in out:
+                        twice.append(f"{name} (in {os.path.basename(out[name][0])} and "
+                                     f"{os.path.basename(file)})")
                     part = f.get_slice(name)
                     out[name] = (file, tuple(part.get_shape()), part.get_dtype())
         except (OSError, SafetensorError) as e:
             raise ValueError(f"checkpoint file {file!r} is not a readable safetensors file: "
                              f"{e}") from None
+    if twice:
+        raise ValueError(f"checkpoint {path!r}: " + listing(
+            "tensors stored in two shards (keep each tensor in one)", twice))
     if where is not None:
         missing = sorted(n for n, f in where.items() if out.get(n, (f,))[0] != f)
         if missing:
-            raise ValueError(f"checkpoint index {path!r}: " + _listing(
+            raise ValueError(f"checkpoint index {path!r}: " + listing(
                 "tensors not found in their shard", missing))
     return out
+
+
+def _check_layer_count(config: Magi2Config, path: str, headers: dict) -> None:
+    """Refuse a config whose ``num_layers`` differs from the layers the headers hold (a
+    1,000,000-layer config is refused at once, not after building its skeleton)."""
+    found = {int(m.group(1)) for n in headers if (m := _LAYER.match(n))}
+    count = max(found) + 1 if found else 0
+    if config.num_layers != count:
+        raise ValueError(f"checkpoint {path!r} holds {count} transformer layers "
+                         f"({LAYER_PREFIX}0..{count - 1}) but model config {config.name!r} has "
+                         f"num_layers={config.num_layers}; use the config of this checkpoint")
 
 
 def _strip_prefix(path: str, headers: dict) -> tuple[str, dict]:
@@ -138,7 +125,7 @@ def _strip_prefix(path: str, headers: dict) -> tuple[str, dict]:
     if len(prefixed) != len(headers):
         bare = sorted(n for n in headers if not n.startswith(PREFIX))
         raise ValueError(f"checkpoint {path!r} mixes names with and without the "
-                         f"{PREFIX!r} prefix; " + _listing("bare names", bare))
+                         f"{PREFIX!r} prefix; " + listing("bare names", bare))
     return PREFIX, {n[len(PREFIX):]: v for n, v in headers.items()}
 
 
@@ -151,25 +138,30 @@ def check_checkpoint(
     Returns (model name -> (file, shape, stored dtype), report). Raises `ValueError` naming
     every missing, unexpected, mis-shaped and non-float tensor (expected shape and dtype,
     found), or the unreadable file."""
-    return check_headers(checkpoint_spec(config), path, param_dtype, f"model config {config.name!r}")
+    path = os.fspath(path)
+    found = _strip_prefix(path, _headers(path))
+    _check_layer_count(config, path, found[1])  # before a skeleton of num_layers is built
+    return check_headers(checkpoint_spec(config), path, param_dtype,
+                         f"model config {config.name!r}", found)
 
 
 def check_headers(
     spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike,
-    param_dtype: torch.dtype | None, what: str,
+    param_dtype: torch.dtype | None, what: str, found: tuple[str, dict] | None = None,
 ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
     """`check_checkpoint` against any tensor `spec` (name -> (shape, dtype)); `what` names
-    the model in the error ("model config 'tiny'")."""
+    the model in the error ("model config 'tiny'"); `found`: the (prefix, headers) already
+    read."""
     path = os.fspath(path)
-    prefix, headers = _strip_prefix(path, _headers(path))
+    prefix, headers = found or _strip_prefix(path, _headers(path))
     report = LoadReport(prefix=prefix)
     problems = []
     missing = [n for n in spec if n not in headers]
     if missing:
-        problems.append(_listing("missing tensors", missing))
+        problems.append(listing("missing tensors", missing))
     unexpected = sorted(prefix + n for n in headers if n not in spec)
     if unexpected:
-        problems.append(_listing("unexpected tensors", unexpected))
+        problems.append(listing("unexpected tensors", unexpected))
     bad_shape, bad_dtype = [], []
     for name, (shape, dtype) in spec.items():
         if name not in headers:
@@ -185,9 +177,9 @@ def check_headers(
             if FLOAT_DTYPES[stored] != target:
                 report.converted.append((prefix + name, stored, _DTYPE_NAMES[target]))
     if bad_shape:
-        problems.append(_listing("mis-shaped tensors", bad_shape))
+        problems.append(listing("mis-shaped tensors", bad_shape))
     if bad_dtype:
-        problems.append(_listing("tensors of a non-float dtype", bad_dtype))
+        problems.append(listing("tensors of a non-float dtype", bad_dtype))
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match {what}: " + "; ".join(problems))
     return headers, report

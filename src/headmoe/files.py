@@ -1,0 +1,138 @@
+"""Reading files of an untrusted model folder: the one home of the containment rule.
+
+A model folder (a release, a checkpoint's folder, a text encoder) is data, never code, and
+never a way to reach other files:
+
+- `confined_file(folder, entry)`: the path of a name an index (or the layout) gives, which
+  must be relative, must not leave ``folder`` by ``..`` and must be a regular file (a FIFO,
+  socket or device is refused by ``stat`` before anything opens it, so nothing blocks). A
+  link is followed only where it stays in the folder, or, in the Hugging Face cache layout
+  (``<repo>/snapshots/<revision>/...`` whose files link into ``<repo>/blobs/``), into that
+  repository's ``blobs/``; a link anywhere else is refused.
+- `index_map(path)`: name -> file of a ``*.safetensors.index.json``, every shard confined.
+- `check_entries(folder)`: every top-level entry of a folder a library reads by itself
+  (``transformers`` picks its tokenizer files) is a confined regular file or a folder.
+- `read_json(path, what)`: a JSON file whose errors name the file.
+- `listing(kind, items)` and `brief(items)`: a problem list cut at `MAX_LISTED` names plus
+  a count, so an error stays one readable line whatever the folder holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+#: problems listed per kind in an error message before "... and N more"
+MAX_LISTED = 12
+#: Hugging Face cache folders: ``<repo>/snapshots/<rev>`` link into ``<repo>/blobs``
+HF_SNAPSHOTS, HF_BLOBS = "snapshots", "blobs"
+
+
+def listing(kind: str, items: list[str]) -> str:
+    """``"N kind: a; b; ... and M more"`` with at most `MAX_LISTED` items shown."""
+    shown = "; ".join(items[:MAX_LISTED])
+    more = f" ... and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else ""
+    return f"{len(items)} {kind}: {shown}{more}"
+
+
+def brief(items: Any) -> str:
+    """``repr`` of a list cut after `MAX_LISTED` items: ``[0, 1, ... (1000000 items)]``."""
+    if not isinstance(items, list | tuple):
+        return repr(items)
+    items = list(items)
+    if len(items) <= MAX_LISTED:
+        return repr(items)
+    return "[" + ", ".join(map(repr, items[:MAX_LISTED])) + f", ... ({len(items)} items)]"
+
+
+def _inside(path: str, base: str) -> bool:
+    return os.path.commonpath([base, path]) == base
+
+
+def _hf_blobs(base: str) -> str | None:
+    """``<repo>/blobs`` when ``base`` (resolved) lies in ``<repo>/snapshots/<rev>/``."""
+    parts = Path(base).parts
+    for i in range(len(parts) - 2, 0, -1):
+        if parts[i] == HF_SNAPSHOTS:
+            blobs = os.path.join(*parts[:i], HF_BLOBS)
+            return blobs if os.path.isdir(blobs) else None
+    return None
+
+
+def entry_problem(folder: str | os.PathLike, entry: str) -> tuple[str | None, str]:
+    """(why ``entry`` is refused, or None; its resolved path) for `confined_file`. The
+    reason is short: "missing", "not a relative file name", "outside the folder", "a link
+    to <path>, outside the folder", "not a regular file". Nothing is opened."""
+    base = os.path.realpath(os.fspath(folder))
+    if not isinstance(entry, str) or not entry or os.path.isabs(entry):
+        return "not a relative file name", ""
+    joined = os.path.normpath(os.path.join(base, entry))
+    if not _inside(joined, base):
+        return "outside the folder", joined
+    real = os.path.realpath(joined)
+    blobs = _hf_blobs(base)
+    if not (_inside(real, base) or (blobs is not None and _inside(real, blobs))):
+        return f"a link to {real!r}, outside the folder", real
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
+        return "missing", real
+    return (None if stat.S_ISREG(mode) else "not a regular file"), real
+
+
+def confined_file(folder: str | os.PathLike, entry: str, what: str) -> str:
+    """The resolved path of ``entry`` (a relative name read from ``what``) in ``folder``.
+
+    Raises `ValueError` naming ``what``, ``entry`` and the folder when it is absolute,
+    leaves the folder (``..`` or a link out, see the module docstring), is missing, or is
+    not a regular file (FIFO, socket, device, folder). Nothing is opened."""
+    why, real = entry_problem(folder, entry)
+    if why == "missing":
+        raise ValueError(f"{what} {entry!r} is missing")
+    if why is not None:
+        base = os.path.realpath(os.fspath(folder))
+        where = f" {base!r}" if why.endswith("folder") else ""
+        raise ValueError(f"{what} {entry!r} is {why}{where}; entries must be regular files "
+                         "inside the folder")
+    return real
+
+
+def check_entries(folder: str | os.PathLike, what: str) -> None:
+    """Every top-level entry of ``folder`` is a folder or a `confined_file` (before a
+    library that picks files by itself reads it)."""
+    folder = os.fspath(folder)
+    for entry in sorted(os.listdir(folder)):
+        if not os.path.isdir(os.path.join(folder, entry)):
+            confined_file(folder, entry, what)
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """The parsed JSON of ``path`` (a regular file); `ValueError` naming ``what`` and the
+    file when it cannot be read or parsed."""
+    path = os.fspath(path)
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"{what} {path!r} is not a regular file")
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {path!r} is not a readable JSON file: {e}") from None
+
+
+def index_map(path: str | os.PathLike) -> dict[str, str]:
+    """name -> resolved shard file of a ``*.safetensors.index.json``; every shard is a
+    `confined_file` of the index's folder (which is resolved, not the index's link)."""
+    path = os.fspath(path)
+    what = f"checkpoint index {path!r}"
+    index = read_json(path, "checkpoint index")
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in wmap.items()
+    ):
+        raise ValueError(f"{what} needs a 'weight_map' object of strings")
+    folder = os.path.dirname(os.path.abspath(path))
+    files = {shard: confined_file(folder, shard, f"{what}: shard file") for shard in sorted(set(wmap.values()))}
+    return {name: files[shard] for name, shard in wmap.items()}
