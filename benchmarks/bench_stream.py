@@ -31,6 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 REPO = Path(__file__).resolve().parent.parent
 #: model: a few GB in fp32 (fp32 experts are used in place; bf16 ones would be widened
 #: chunk by chunk, which adds a transient unrelated to streaming)
@@ -229,3 +233,135 @@ def report(runs: list[dict], pred: dict, size: int, args: argparse.Namespace) ->
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------------- GPU section
+#: section of benchmarks/gpu_check.py: key and title
+GPU_SECTION = ("f", "layer streaming: H2D GB/s, step time resident vs streamed, copy hidden")
+#: synthetic layers per forward and linears per layer in the GPU section
+GPU_LAYERS, GPU_LINEARS = 6, 8
+
+
+class SynthLayer(nn.Module):
+    """`GPU_LINEARS` square bf16 linears applied in turn (RMS-normalised in between), with
+    the bytes of one real layer: the generic streamer streams any list of layer modules."""
+
+    def __init__(self, width: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.empty(width, width, dtype=dtype, device=device),
+                               requires_grad=False) for _ in range(GPU_LINEARS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[tokens, width]` -> `[tokens, width]`, same dtype."""
+        for w in self.weights:
+            x = F.linear(x, w)
+            x = x * x.float().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt().to(x.dtype)
+        return x
+
+
+def _synth_width(ctx) -> int:
+    """Square width whose `GPU_LINEARS` bf16 matrices hold one MAGI-2 Preview MoE layer of
+    an EP4 rank (the per-rank shapes of the other sections); 64 in a dry run."""
+    import torch
+
+    from headmoe.models.magi2 import get_config
+    from headmoe.planner.predict import layer_bytes
+
+    if ctx.dry:
+        return 64
+    preview = get_config("magi2-preview")
+    moe = layer_bytes(preview, 4, 0, torch.bfloat16)[preview.moe_layer_ids[0]][0]
+    return int((moe / GPU_LINEARS / 2) ** 0.5) // 128 * 128
+
+
+def gpu_section(ctx) -> None:
+    """gpu_check section f: one layer's bytes written once to a safetensors file; H2D GB/s
+    (pinned -> device), the host stage (mapped file -> pinned) GB/s; then `GPU_LAYERS`
+    synthetic layers run resident and streamed (2 slots) at two token counts: step times,
+    their ratio, the fraction of the copy time hidden behind compute, and bit equality."""
+    import torch
+    from safetensors.torch import save_file
+
+    from headmoe.models.streaming import LayerStreamer, MappedCheckpoint, TensorRead
+
+    width, dev, dt = _synth_width(ctx), torch.device(ctx.device), ctx.dtype
+    nbytes = GPU_LINEARS * width * width * dt.itemsize
+    shape = f"{GPU_LINEARS} x [{width}, {width}] {str(dt)[6:]} = {nbytes / 2**30:.2f} GiB/layer"
+    with tempfile.TemporaryDirectory(prefix="headmoe-gpu-stream-") as tmp:
+        path = str(Path(tmp) / "layer.safetensors")
+        gen = torch.Generator().manual_seed(0)
+        save_file({f"w{j}": (torch.randn(width, width, generator=gen) / width**0.5).to(dt)
+                   for j in range(GPU_LINEARS)}, path)
+        source = MappedCheckpoint({f"w{j}": path for j in range(GPU_LINEARS)})
+        reads = [TensorRead(f"weights.{j}", f"w{j}") for j in range(GPU_LINEARS)]
+        _gpu_copy_rates(ctx, source, reads, width, shape)
+        resident = [SynthLayer(width, dt, dev) for _ in range(GPU_LAYERS)]
+        for layer in resident:
+            for read, w in zip(reads, layer.weights):
+                host = torch.empty(w.shape, dtype=dt)
+                source.read_into(read, host)
+                w.copy_(host)
+        with torch.device("meta"):
+            meta = [SynthLayer(width, dt, "meta") for _ in range(GPU_LAYERS)]
+        streamer = LayerStreamer(meta, range(GPU_LAYERS), dict.fromkeys(range(GPU_LAYERS),
+                                 reads), source, dev, slots=2, timeout_s=120)
+        try:
+            _gpu_step_times(ctx, resident, meta, streamer, width, shape)
+        finally:
+            streamer.close()
+
+
+def _gpu_copy_rates(ctx, source, reads, width, shape) -> None:
+    """H2D GB/s of one layer (pinned -> device, CUDA events) and the host stage GB/s."""
+    import torch
+
+    n = len(reads)
+    pinned = torch.empty(n, width, width, dtype=ctx.dtype, pin_memory=not ctx.dry)
+    t0 = time.perf_counter()
+    for j, read in enumerate(reads):
+        source.read_into(read, pinned[j])
+    host_s = time.perf_counter() - t0
+    dev = torch.empty_like(pinned, device=ctx.device)
+    ms = ctx.time(lambda: dev.copy_(pinned, non_blocking=True))
+    nbytes = pinned.numel() * pinned.element_size()
+    ctx.report.add(GPU_SECTION[0], "host stage: mapped file -> pinned (one layer)", shape,
+                   f"{nbytes / host_s / 1e9:.1f} GB/s")
+    ctx.report.add(GPU_SECTION[0], "H2D: pinned -> device (one layer)", shape,
+                   "ran (dry)" if ms is None else f"{nbytes / ms / 1e6:.1f} GB/s, {ms:.2f} ms",
+                   ">= 25 GB/s (the planner's default)",
+                   None if ms is None else nbytes / ms / 1e6 >= 25)
+
+
+def _gpu_step_times(ctx, resident, meta, streamer, width, shape) -> None:
+    """Resident vs streamed forward of the layers at two token counts; copy alone."""
+    import torch
+
+    def run(layers, x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    def copy_only():
+        for i in range(GPU_LAYERS):
+            with streamer.use(i):
+                pass
+
+    copy_ms = ctx.time(copy_only, reps=3)
+    for tokens in ((64, 256) if ctx.dry else (4096, 16384)):
+        x = ctx.randn(tokens, width)
+        same = torch.equal(run(resident, x), run(meta, x))
+        res_ms = ctx.time(lambda x=x: run(resident, x), reps=3)
+        str_ms = ctx.time(lambda x=x: run(meta, x), reps=3)
+        where = f"{GPU_LAYERS} layers, {tokens:,} tokens; {shape}"
+        ctx.report.add(GPU_SECTION[0], "streamed output == resident output", where,
+                       str(same), "True", same)
+        if res_ms is None:
+            ctx.report.add(GPU_SECTION[0], "resident / streamed step", where, "ran (dry)")
+            continue
+        hidden = (res_ms + copy_ms - str_ms) / copy_ms
+        ctx.report.add(GPU_SECTION[0], "step time resident / streamed / copy alone", where,
+                       f"{res_ms:.1f} / {str_ms:.1f} / {copy_ms:.1f} ms (streamed "
+                       f"{str_ms / res_ms:.2f}x)")
+        ctx.report.add(GPU_SECTION[0], "copy time hidden behind compute", where,
+                       f"{100 * max(0.0, min(1.0, hidden)):.0f}%")

@@ -53,7 +53,9 @@ def test_one_gpu_fits_with_host_memory_and_bytes_per_step(plans):
 def test_two_gpus_fit_and_replicas_share_the_host_copy(plans):
     by_name = {p["layout"]: p for p in plans[2]["layouts"]}
     assert all(p["streaming"]["device_bytes_per_rank"] <= 141e9 for p in by_name.values())
-    assert by_name["sp2"]["expert_parallel_size"] == 2
+    assert by_name["sp2"]["expert_parallel_size"] == 2 and by_name["sp2"]["recommended"]
+    assert "fewest weight bytes streamed per rank per step (119.1 GB)" in plans[2][
+        "recommendation"]
     ep2, cfg2 = by_name["sp2"]["streaming"], by_name["sp1,cfg2"]["streaming"]
     # EP cuts the stream like the resident shard: each rank moves its own experts only
     assert ep2["bytes_per_step"] == _layer_total(2, 0) < cfg2["bytes_per_step"]
