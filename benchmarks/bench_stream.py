@@ -215,7 +215,7 @@ def report(runs: list[dict], pred: dict, size: int, args: argparse.Namespace) ->
     bound = pred["non_layer"] + pred["in_flight"] + acts
     print(f"\nmodel {size / 1e9:.2f} GB on disk, {args.slots} slots, {args.reps} timed steps "
           f"x {args.rounds} rounds per mode, 1 thread; outputs identical in every run\n")
-    print("| mode | peak RSS above imports, MiB | step time, s (median) | load, s |")
+    print("| mode | peak RSS above baseline, MiB | step time, s (median) | load, s |")
     print("|---|---|---|---|")
     for m in ("resident", "streamed"):
         load = statistics.median(r["load_s"] for r in by[m])
