@@ -1,11 +1,16 @@
 """Compile headmoe's Triton kernels for Hopper (sm_90a) without a GPU and report what ptxas
 made of them: whether the MMA kernels use wgmma and TMA, registers per thread, spilled
-bytes, shared memory. This is how the default tiles (docs/moe.md section 6) were chosen on
+bytes, shared memory against the device limit (232,448 bytes per block on H100/H200),
+and the 16-byte global loads in the PTX (the gate/up gather, `gate_up` against
+`gate_up_offsets`). This is how the default tiles (docs/moe.md section 6) were chosen on
 a machine without an accelerator; it says nothing about speed.
 
     PYTHONPATH=src python benchmarks/compile_check.py [--kernels gate_up,down,...]
 
-Exit status 1 when a kernel spills registers or an MMA kernel compiles without wgmma.
+Exit status 1, with a line naming each kernel on stderr, when a kernel spills registers,
+needs more shared memory than the limit (it would fail at launch), or is an MMA kernel
+compiled without wgmma. `benchmarks/gpu_check.py` runs the same check for the device it
+runs on (`compile_one` with the device's capability and shared-memory limit).
 Uses Triton's ahead-of-time API (`triton.compile` of an `ASTSource`) and its bundled ptxas.
 """
 
@@ -23,13 +28,24 @@ from typing import Any
 
 import torch
 
+from headmoe.layers import triton_attention, triton_dense
 from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
 from headmoe.layers.triton_attention import DEFAULT_ATTENTION_TILES as AT
+from headmoe.layers.triton_dense import DENSE_TILES, NORM_BLOCK, NORM_ROWS
+from headmoe.layers.triton_runtime import kernels
+from headmoe.moe import triton_moe
 from headmoe.moe.triton_moe import DEFAULT_TILES as MT
 from headmoe.moe.triton_moe import ROUTE_BLOCK_K, ROUTE_BLOCK_M
 
-#: MAGI-2 per-rank sizes: head dim, expert width, experts, top-k, attention head dim
-D, F, E, K, HEAD_DIM = 256, 1280, 256, 6, 128
+#: MAGI-2 per-rank sizes: head dim, expert width, experts, top-k, attention head dim,
+#: hidden size
+D, F, E, K, HEAD_DIM, HIDDEN = 256, 1280, 256, 6, 128, 3072
+#: shared memory a block may use on sm_90 (H100/H200: 227 KiB, the opt-in maximum;
+#: CUDA C Programming Guide, "Compute Capabilities", table of technical specifications)
+SMEM_LIMIT = 232_448
+#: kernel module of each spec's prefix
+MODULES = {"moe": triton_moe.KERNELS, "attention": triton_attention.KERNELS,
+           "dense": triton_dense.KERNELS}  # fmt: skip
 
 
 def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -53,14 +69,8 @@ def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any]
             stride_zh=256, route_scale=4.9, eps=1e-12),
             dict(H=3, E=E, D=D, TOP_K=K, BLOCK_M=ROUTE_BLOCK_M, BLOCK_E=E, BLOCK_K=ROUTE_BLOCK_K),
             {"num_warps": 8}),
-        "gate_up": ("moe.gate_up_kernel", lambda: dict(
-            z_ptr=_t(8), src_ptr=_t(8, dtype=i64), tile_group_ptr=_t(8, dtype=i32),
-            tile_rows_ptr=_t(8, dtype=i32), wg_desc=_desc(2 * D, F, [MT.gate_k, MT.gate_n]),
-            wu_desc=_desc(2 * D, F, [MT.gate_k, MT.gate_n]),
-            h_desc=_desc(2 * MT.block_m, F, [MT.block_m, MT.gate_n]), groups=768),
-            dict(D=D, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION="tf32",
-                 N_BLOCKS=-(-F // MT.gate_n), BLOCK_M=MT.block_m, BLOCK_N=MT.gate_n,
-                 BLOCK_K=MT.gate_k), warps),
+        "gate_up": _gate_up(True, warps),
+        "gate_up_offsets": _gate_up(False, warps),
         "down": ("moe.down_kernel", lambda: dict(
             h_desc=_desc(2 * MT.block_m, F, [MT.block_m, MT.down_k]),
             wd_desc=_desc(2 * F, D, [MT.down_k, MT.down_n]),
@@ -82,36 +92,135 @@ def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any]
             dict(GROUP=1, HEAD_DIM=HEAD_DIM, PRECISION="tf32", BLOCK_M=AT.block_m,
                  BLOCK_N=AT.block_n),
             {"num_warps": AT.num_warps, "num_stages": AT.num_stages}),
+        "matmul": _matmul(torch.bfloat16),
+        "matmul_fp32": _matmul(torch.float32),
+        "rms_norm": ("dense.rms_norm_kernel", lambda: dict(
+            x_ptr=_t(8), w_ptr=_t(8, dtype=f32), out_ptr=_t(8, dtype=f32), R=1000, C=HIDDEN,
+            stride_x=HIDDEN, stride_w=0, stride_out=HIDDEN, eps=1e-6),
+            dict(BLOCK_R=NORM_ROWS, BLOCK_C=NORM_BLOCK), {"num_warps": 8}),
     }  # fmt: skip
 
 
-def compile_one(path: str, args: dict[str, Any], consts: dict[str, Any], opts: dict) -> dict:
-    """Compile one kernel for sm_90a; returns wgmma/tma flags, registers, spills, smem."""
+def _gate_up(row_gather: bool, warps: dict) -> tuple:
+    """The gate/up kernel's spec with the row gather (production) or the offset gather."""
+    i32, i64 = torch.int32, torch.int64
+    return ("moe.gate_up_kernel", lambda: dict(
+        z_ptr=_t(8), src_ptr=_t(8, dtype=i64), tile_group_ptr=_t(8, dtype=i32),
+        tile_rows_ptr=_t(8, dtype=i32), wg_desc=_desc(2 * D, F, [MT.gate_k, MT.gate_n]),
+        wu_desc=_desc(2 * D, F, [MT.gate_k, MT.gate_n]),
+        h_desc=_desc(2 * MT.block_m, F, [MT.block_m, MT.gate_n]), groups=768, experts=E,
+        stride_zt=3 * D, stride_zh=D),
+        dict(D=D, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION="tf32",
+             ROW_GATHER=row_gather, N_BLOCKS=-(-F // MT.gate_n), BLOCK_M=MT.block_m,
+             BLOCK_N=MT.gate_n, BLOCK_K=MT.gate_k), warps)  # fmt: skip
+
+
+def _matmul(dtype: torch.dtype) -> tuple:
+    """The dense GEMM's spec with the production tiles of `dtype` (x `[M, C]` @ W^T)."""
+    t = DENSE_TILES[dtype]
+    return ("dense.matmul_kernel", lambda: dict(
+        a_ptr=_t(8, dtype=dtype), b_ptr=_t(8, dtype=dtype), bias_ptr=_t(8, dtype=torch.float32),
+        c_ptr=_t(8, dtype=dtype), M=1000, N=HIDDEN, K=HIDDEN, stride_ag=HIDDEN * 1024,
+        stride_am=HIDDEN, stride_ak=1, stride_bg=0, stride_bk=1, stride_bn=HIDDEN,
+        stride_cg=HIDDEN * 1024, stride_cm=HIDDEN, stride_cn=1),
+        dict(HAS_BIAS=False, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k),
+        {"num_warps": t.num_warps, "num_stages": t.num_stages})  # fmt: skip
+
+
+def signature(fn: Any, args: dict[str, Any], consts: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of `fn` for `args`, specialised as a launch would be
+    (triton's own rules: ints equal to 1 become constants; pointers and ints divisible by
+    16 carry `tt.divisibility`, which is what lets a gather vectorise)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    sig, constexprs, attrs = {}, dict(consts), {}
+    for i, a in enumerate(fn.arg_names):
+        if a in consts:
+            sig[a] = "constexpr"
+            continue
+        kind, attr = native_specialize_impl(BaseBackend, args[a], False, True, True)
+        sig[a] = kind
+        if kind == "constexpr":
+            constexprs[a] = attr
+        elif isinstance(attr, str) and attr:
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+    return sig, constexprs, attrs
+
+
+def compile_one(path: str, args: dict[str, Any], consts: dict[str, Any], opts: dict,
+                capability: int = 90) -> dict:  # fmt: skip
+    """Compile one kernel for `capability` (90: sm_90a) without launching it; returns
+    wgmma/tma flags, registers, spills, shared bytes and 16-byte global loads in the PTX."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.runtime.jit import mangle_type
-
-    from headmoe.layers import triton_attention_kernels
-    from headmoe.moe import triton_moe_kernels
 
     module, name = path.split(".")
-    fn = getattr({"moe": triton_moe_kernels, "attention": triton_attention_kernels}[module], name)
-    sig = {a: "constexpr" if a in consts else mangle_type(args[a]) for a in fn.arg_names}
+    fn = getattr(kernels(MODULES[module]), name)
+    sig, constexprs, attrs = signature(fn, args, consts)
     knobs.nvidia.dump_ptxas_log = True
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=consts),
-                                target=GPUTarget("cuda", 90, 32), options=opts)  # fmt: skip
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", capability, 32), options=opts)  # fmt: skip
     text = log.getvalue()
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores", text)
     ptx = kernel.asm["ptx"]
+    wide = len(re.findall(r"ld\.global[.\w]*\.v4\.b32|ld\.global[.\w]*\.v2\.b64|"
+                          r"cp\.async\.c[ag]\.shared\.global[^;]*, (?:16|0x10)[,;]", ptx))  # fmt: skip
     return {"wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx,
             "registers": int(regs.group(1)) if regs else -1,
             "spill_bytes": int(spills.group(1)) if spills else -1,
-            "shared_bytes": kernel.metadata.shared}  # fmt: skip
+            "shared_bytes": kernel.metadata.shared, "wide_loads": wide}  # fmt: skip
+
+
+def problems(name: str, r: dict, smem_limit: int) -> list[str]:
+    """What is wrong with compile result `r` of kernel `name`: spills, shared memory over
+    `smem_limit` bytes (the launch would fail), an MMA kernel without wgmma."""
+    out = []
+    if r["spill_bytes"] != 0:
+        out.append(f"{name}: {r['spill_bytes']} bytes of register spills")
+    if r["shared_bytes"] > smem_limit:
+        out.append(f"{name}: needs {r['shared_bytes']:,} bytes of shared memory, over the "
+                   f"device limit of {smem_limit:,} bytes: it would fail at launch")  # fmt: skip
+    if name not in NO_MMA and not r["wgmma"]:
+        out.append(f"{name}: compiled without wgmma")
+    return out
+
+
+#: kernels without a tensor-core product
+NO_MMA = ("route", "combine", "rms_norm", "matmul_fp32")
+
+
+def check_all(names: list[str], capability: int = 90, smem_limit: int = SMEM_LIMIT,
+              report: Callable[[str, dict, int], None] | None = None) -> list[str]:  # fmt: skip
+    """Compile `names` in a fresh cache (so ptxas runs and logs); every problem found, as
+    text. `report(name, result, smem_limit)` sees each result (default: a line on stdout)."""
+    table, found = specs(), []
+    old = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            for name in names:
+                path, make_args, consts, opts = table[name]
+                r = compile_one(path, make_args(), consts, opts, capability)
+                (report or print_result)(name, r, smem_limit)
+                found += problems(name, r, smem_limit)
+        finally:
+            os.environ.pop("TRITON_CACHE_DIR") if old is None else os.environ.update(
+                TRITON_CACHE_DIR=old)  # fmt: skip
+    return found
+
+
+def print_result(name: str, r: dict, smem_limit: int) -> None:
+    """One line per kernel: flags, registers, spills, shared memory / limit, wide loads."""
+    print(f"{name:16s} wgmma={r['wgmma']!s:5s} tma={r['tma']!s:5s} "
+          f"registers={r['registers']:3d} spill_bytes={r['spill_bytes']:5d} "
+          f"shared={r['shared_bytes']:,}/{smem_limit:,} 16B_loads={r['wide_loads']}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,26 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default=",".join(table),
                         help=f"comma-separated subset of {', '.join(table)}")  # fmt: skip
+    parser.add_argument("--smem-limit", type=int, default=SMEM_LIMIT,
+                        help="shared memory per block of the target device, bytes")  # fmt: skip
     args = parser.parse_args(argv)
     names = args.kernels.split(",")
     for name in names:
         if name not in table:
             raise ValueError(f"--kernels: unknown kernel {name!r}, expected one of {list(table)}")
     os.environ.pop("TRITON_INTERPRET", None)
-    bad = []
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: ptxas runs and logs
-        for name in names:
-            path, make_args, consts, opts = table[name]
-            r = compile_one(path, make_args(), consts, opts)
-            print(f"{name:10s} wgmma={r['wgmma']!s:5s} tma={r['tma']!s:5s} "
-                  f"registers={r['registers']:3d} spill_bytes={r['spill_bytes']:5d} "
-                  f"shared={r['shared_bytes']:,}")  # fmt: skip
-            if r["spill_bytes"] != 0 or (name not in ("route", "combine") and not r["wgmma"]):
-                bad.append(name)
-    if bad:
-        print("spills or no wgmma: " + ", ".join(bad), file=sys.stderr)
-    return 1 if bad else 0
+    found = check_all(names, smem_limit=args.smem_limit)
+    for line in found:
+        print("compile_check FAILED: " + line, file=sys.stderr)
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ without a GPU (one small kernel here, in a fresh process: the other triton tests
 interpreter, and triton picks one mode per process)."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +16,29 @@ pytestmark = pytest.mark.triton
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_combine_kernel_compiles_for_hopper_without_spills(interpreted):  # noqa: F811
+def _compile_check(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "compile_check.py"), "--kernels", "combine"],
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_check.py"), *args],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+def test_kernels_compile_for_hopper_within_the_shared_memory_limit(interpreted):  # noqa: F811
+    """combine and the dense RMSNorm: no spills, shared memory reported against 232,448."""
+    run = _compile_check("--kernels", "combine,rms_norm")
     assert run.returncode == 0, run.stderr[-2000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("combine"))
-    assert "spill_bytes=    0" in line and "registers=" in line
+    for name in ("combine", "rms_norm"):
+        line = next(x for x in run.stdout.splitlines() if x.startswith(name))
+        assert "spill_bytes=    0" in line and "registers=" in line
+        assert re.search(r"shared=[\d,]+/232,448 ", line), line
+
+
+def test_a_kernel_over_the_shared_memory_limit_fails_loudly(interpreted):  # noqa: F811
+    """With a (pretend) device limit below what rms_norm needs (8,192 bytes), the check
+    exits 1 and names the kernel, its bytes and the limit on stderr."""
+    run = _compile_check("--kernels", "rms_norm", "--smem-limit", "4096")
+    assert run.returncode == 1
+    assert re.search(r"compile_check FAILED: rms_norm: needs [\d,]+ bytes of shared memory, "
+                     r"over the device limit of 4,096 bytes", run.stderr), run.stderr[-2000:]

@@ -2,6 +2,8 @@
 interpreter mis-reads bf16, which benchmarks/gpu_check.py covers on a device): against the
 torch paths within tolerance, and bitwise batch invariance of every (token, head) row."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -168,3 +170,43 @@ def test_bad_arguments_raise_value_errors_naming_the_field():
         triton_runtime.check_tensors(object(), w=torch.zeros(1, device="meta"), z=z)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         triton_runtime.check_tensors(object(), z=z)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_gather_gives_the_bits_of_the_offset_gather(dtype):
+    """The gate/up kernel's two gathers (rows at `head*stride_h + token*stride_t`, and the
+    former element offsets loaded from memory) read the same elements: equal bits, for a
+    contiguous z and for heads strided inside a wider buffer (the EP owner's layout)."""
+    z, ids, w = _routed(70, seed=14, dtype=dtype)
+    weights = _weights(15, dtype)
+    wide = torch.cat([z, torch.randn(70, 1, D).to(dtype)], dim=1)[:, :H]
+    offsets = dataclasses.replace(TILES, row_gather=False)
+    for zz in (z, wide):
+        rows = experts_triton(zz, ids, w, *weights, tiles=TILES)
+        assert torch.equal(rows, experts_triton(zz, ids, w, *weights, tiles=offsets))
+
+
+def test_nan_rows_route_to_valid_experts_on_every_head():
+    """A (token, head) whose router input is NaN gets experts 0..k-1 (torch `route` gives
+    the same: NaN sorts first), never the out-of-range id E; on the last head that id
+    would index past the group schedule. Every head, the last included, has a NaN row;
+    the other rows keep their bits and the NaN rows come out NaN."""
+    h, e, d, f, k = 3, 8, 32, 32, 2
+    g = torch.Generator().manual_seed(16)
+    z = torch.randn(20, h, d, generator=g)
+    for t in range(h):
+        z[t, t] = float("nan")  # one NaN row per head
+    z[h] = float("nan")  # a token NaN on every head
+    gate, bias = torch.randn(h * e, d, generator=g) / d**0.5, torch.linspace(0.5, -0.5, h * e)
+    ids, w = route_triton(z, gate, bias, k, 2.5)
+    assert int(ids.min()) >= 0 and int(ids.max()) < e
+    assert torch.equal(ids, route(z, gate, bias, k, 2.5)[0])
+    nan = torch.isnan(z).any(-1)  # [20, h]
+    assert torch.equal(ids[nan], torch.arange(k).expand(int(nan.sum()), k))
+    assert bool(torch.isnan(w[nan]).all()) and not bool(torch.isnan(w[~nan]).any())
+    weights = _weights(17, h=h, e=e, d=d, f=f)
+    tiles = MoETiles(block_m=16, gate_n=32, gate_k=16, down_n=32, down_k=16, combine_d=32)
+    out = experts_triton(z, ids, w, *weights, tiles=tiles)
+    assert bool(torch.isnan(out[nan]).all()) and not bool(torch.isnan(out[~nan]).any())
+    clean = experts_triton(z[h + 1 :], ids[h + 1 :], w[h + 1 :], *weights, tiles=tiles)
+    assert torch.equal(out[h + 1 :], clean)

@@ -1,6 +1,7 @@
 """Pipeline logic with a test-only denoiser: noise order, CFG paths, DP seeds, output."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -170,10 +171,10 @@ def test_failed_sidecar_leaves_no_outputs(tmp_path, monkeypatch):
     run_job(ParallelContext.single(), _job(output=str(out)))  # an earlier run's two files
     assert out.exists() and out.with_suffix(".json").exists()
 
-    def broken(path, data):
+    def broken(path, data, **kw):
         raise OSError("disk full")
 
     monkeypatch.setattr(job_module, "write_sidecar", broken)
-    with pytest.raises(OSError, match="disk full"):
-        run_job(ParallelContext.single(), _job(output=str(out)))
+    with pytest.raises(OSError, match="disk full"):  # --overwrite: the old pair goes too
+        run_job(ParallelContext.single(), replace(_job(output=str(out)), overwrite=True))
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.errors import UserError
+from headmoe.files import listing
 from headmoe.pipeline.seeding import SEED_LIMIT
 
 #: output frames per latent frame after the first (the video decoders' temporal stride)
@@ -35,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory one rank may use, replacing the detected limit (free device "
                    "memory, or available host memory / local ranks on CPU)")
     p.add_argument("--check-weights", action="store_true",
-                   help="read every checkpoint tensor first and refuse NaN/Inf values")
+                   help="read every tensor of the transformer checkpoint (and of a release's "
+                   "video and audio decoders) first and refuse NaN/Inf values")
 
 
 def _utf8(text: str, what: str) -> str:
@@ -176,9 +178,25 @@ def report_conversions(report: Any) -> None:
               f"{stored} -> {target})", file=sys.stderr)
 
 
+def _nonfinite(t: Any) -> str | None:
+    """"NaN" / "Inf" when the float tensor ``t`` holds one, else None."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return None
+    if bool(torch.isfinite(t).all()):
+        return None
+    return "NaN" if bool(torch.isnan(t).any()) else "Inf"
+
+
+def _refuse_nonfinite(what: str, bad: list[str]) -> None:
+    if bad:
+        raise UserError(f"{what} holds non-finite values in " + listing("tensor(s)", bad)
+                        + ", replace or repair it")
+
+
 def scan_weights(checkpoint: str, headers: dict[str, Any], prefix: str) -> None:
     """``--check-weights``: read every tensor once; refuse NaN/Inf naming the tensors."""
-    import torch
     from safetensors import safe_open
 
     bad: list[str] = []
@@ -189,11 +207,40 @@ def scan_weights(checkpoint: str, headers: dict[str, Any], prefix: str) -> None:
         with safe_open(file, framework="pt") as f:
             keys = set(f.keys())
             for name in names:
-                t = f.get_tensor(prefix + name if prefix + name in keys else name)
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    kind = "NaN" if bool(torch.isnan(t).any()) else "Inf"
+                kind = _nonfinite(f.get_tensor(prefix + name if prefix + name in keys else name))
+                if kind:
                     bad.append(f"{prefix + name} ({kind}, in {os.path.basename(file)})")
-    if bad:
-        shown = "; ".join(bad[:8]) + (f" ... and {len(bad) - 8} more" if len(bad) > 8 else "")
-        raise UserError(f"checkpoint {checkpoint!r} holds non-finite values in {len(bad)} "
-                        f"tensor(s): {shown}, replace or repair the checkpoint")
+    _refuse_nonfinite(f"checkpoint {checkpoint!r}", bad)
+
+
+def _tensors(obj: Any, name: str = "") -> Any:
+    """(name, tensor) of every tensor in nested dicts/lists (a decoder checkpoint)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{name}.{k}" if name else str(k))
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{name}.{i}")
+    else:
+        yield name, obj
+
+
+def decoder_files(release: Any) -> list[str]:
+    """The weight files of the release's chosen video decoder and its audio decoder."""
+    from headmoe.pipeline import audio_vae, turbo_vae, wan_vae
+
+    video = turbo_vae.CHECKPOINT_FILE if release.video_decoder == "turbo" else \
+        wan_vae.CHECKPOINT_FILE
+    return [os.path.join(release.video_decoder_path, video),
+            os.path.join(release.audio_decoder, audio_vae.WEIGHTS_FILE)]
+
+
+def scan_decoders(release: Any) -> None:
+    """``--check-weights`` on a release folder: every tensor of the video and audio
+    decoders (read safely, `headmoe.pipeline.weights.read_tensors`); NaN/Inf refused."""
+    from headmoe.pipeline.weights import read_tensors
+
+    for file in decoder_files(release):
+        bad = [f"{name} ({kind})" for name, t in _tensors(read_tensors(file))
+               if (kind := _nonfinite(t))]
+        _refuse_nonfinite(f"decoder checkpoint {file!r}", bad)

@@ -129,6 +129,20 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
     return spec, world
 
 
+def _port_free(host: str, port: int) -> bool:
+    """Try to listen on ``host:port`` before any rank starts or any weight loads (rank 0
+    binds it for real later); print one line and return False when that fails."""
+    from headmoe.serve.worker import bind
+
+    try:
+        bind(host, port).close()
+    except OSError as exc:
+        print(f"headmoe serve: error: {exc} (--host {host} --port {port}), pick another "
+              "--port or stop the process that holds it", file=sys.stderr)
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``headmoe serve``; returns the exit code."""
     from headmoe.distributed.launch import torchrun_env
@@ -139,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"headmoe serve: error: {exc}", file=sys.stderr)
         return 2
     env = torchrun_env()
+    if env is None or env.rank == 0:
+        print(f"headmoe serve: checked the flags and the model folder; starting {world} "
+              "rank(s)", file=sys.stderr, flush=True)
+        if not _port_free(spec.host, spec.port):
+            return 2
     if env is None and world > 1:
         from headmoe.serve.supervisor import run_local
 

@@ -6,10 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headmoe.layers.matmul import bi_linear
-
-#: reduction dims are padded to a multiple of this many values (16 fp32 = 64 bytes)
-ALIGN = 16
+from headmoe.layers.matmul import ALIGN, bi_linear
 
 
 class Linear(nn.Module):

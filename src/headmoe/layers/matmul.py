@@ -12,6 +12,11 @@ of 64 bytes long (measured with K = 10, see `headmoe.moe.kernels`): every K that
 models feed here is a multiple of 16 fp32 values, so row slices stay aligned. Every
 layout-dependent matmul in headmoe goes through these helpers; tests/layers/test_matmul.py
 checks the property on the machine that runs the tests.
+
+On CUDA (with triton installed, `headmoe.layers.triton_runtime.use_triton`) none of this
+padding is relied on: cuBLAS picks kernels and split-K from the sizes, so the helpers call
+`headmoe.layers.triton_dense.matmul` instead, a GEMM with fixed tiles and no split-K whose
+rows are invariant by construction.
 """
 
 from __future__ import annotations
@@ -19,6 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from headmoe.layers import triton_dense, triton_runtime
+
+#: reduction dims of `Linear` and of the MoE's CPU GEMMs are padded to a multiple of this
+#: many values (16 fp32 = 64 bytes: every row of an operand starts 64-byte aligned)
+ALIGN = 16
 #: row counts below this are padded with zero rows (a multiple of every small-M kernel block)
 MIN_ROWS = 16
 
@@ -46,6 +56,8 @@ def bi_linear(
     m = x2d.shape[0]
     if m == 0:
         return x.new_empty((*lead, weight.shape[0]))
+    if triton_runtime.use_triton(x2d):
+        return triton_dense.matmul(x2d, weight.t(), bias).reshape(*lead, weight.shape[0])
     out = F.linear(_pad_rows(x2d), weight, bias)
     return out[:m].reshape(*lead, weight.shape[0])
 
@@ -55,6 +67,8 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m = a.shape[0]
     if m == 0:
         return a.new_empty((0, b.shape[1]))
+    if triton_runtime.use_triton(a):
+        return triton_dense.matmul(a, b)
     return (_pad_rows(a) @ b)[:m]
 
 
@@ -64,6 +78,8 @@ def bi_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     g, m, k = a.shape
     if m == 0:
         return a.new_empty((g, 0, b.shape[2]))
+    if triton_runtime.use_triton(a):
+        return triton_dense.matmul(a, b)
     if m < MIN_ROWS:
         padded = a.new_zeros((g, MIN_ROWS, k))
         padded[:, :m] = a

@@ -5,14 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from headmoe.layers import triton_dense, triton_runtime
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """`x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last dim.
 
     x: `[..., C]` any float dtype; weight: `[C]` or broadcastable to x (for example one row
     of weights per token, `[T, C]`), fp32. Returns fp32 `[..., C]`; each row depends only on
-    itself.
+    itself (on CUDA through the one-row-per-program kernel `triton_dense.rms_norm_rows`,
+    since torch's CUDA reductions pick their strategy from the tensor's shape).
     """
+    if triton_runtime.use_triton(x):
+        return triton_dense.rms_norm_rows(x, weight, eps)
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
 

@@ -27,9 +27,7 @@ import dataclasses
 
 import torch
 
-from headmoe.layers.triton_runtime import check_tensors
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, descriptor, kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +57,8 @@ def supported(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _kernels():
-    from headmoe.layers import triton_attention_kernels
-
-    return triton_attention_kernels
+#: the module of the kernel (imported at the first call)
+KERNELS = "headmoe.layers.triton_attention_kernels"
 
 
 def _packed_heads(t: torch.Tensor) -> torch.Tensor:
@@ -73,18 +69,16 @@ def _packed_heads(t: torch.Tensor) -> torch.Tensor:
     return t if ok and (t.stride(0) * t.element_size()) % 16 == 0 else t.contiguous()
 
 
-def _desc(t: torch.Tensor, rows: int):
+def _head_desc(t: torch.Tensor, rows: int):
     """A TMA descriptor of t `[L, heads, D]` viewed `[L, heads*D]`, blocks `[rows, D]`."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     length, heads, d = t.shape
-    return TensorDescriptor(t, [max(length, 1), heads * d], [t.stride(0), 1], [rows, d])
+    return descriptor(t, [rows, d], shape=[max(length, 1), heads * d], strides=[t.stride(0), 1])
 
 
 def _check_args(q, k, v, sinks) -> None:
     """ValueError naming the first bad argument of `triton_sink_attention`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in _FLOATS:
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in KERNEL_FLOATS:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t)
             raise ValueError(f"{name} must be a float [L, heads, D] tensor, got {got}")
     lq, hq, d = q.shape
@@ -113,7 +107,7 @@ def triton_sink_attention(
     sinks: `[Hq]` fp32; D a power of two >= 16. Returns `[Lq, Hq, D]` in q's dtype, written
     into `out` when given (that shape and dtype, strides `(s, D, 1)`)."""
     _check_args(q, k, v, sinks)
-    kern = _kernels()
+    kern = kernels(KERNELS)
     check_tensors(kern.sink_attention_kernel, q=q, k=k, v=v, sinks=sinks)
     q, k, v = (_packed_heads(t) for t in (q, k, v))
     lq, hq, d = q.shape
@@ -129,19 +123,9 @@ def triton_sink_attention(
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     bm, bn = tiles.block_m, tiles.block_n
     kern.sink_attention_kernel[(-(-lq // bm), hq)](
-        _desc(q, bm), _desc(k, bn), _desc(v, bn), _desc(out, bm), sinks.contiguous(),
-        k.shape[0], float(scale) * kern.LOG2E, GROUP=hq // k.shape[1], HEAD_DIM=d,
+        _head_desc(q, bm), _head_desc(k, bn), _head_desc(v, bn), _head_desc(out, bm), sinks.contiguous(),
+        k.shape[0], float(scale) * kern.LOG2E.value, GROUP=hq // k.shape[1], HEAD_DIM=d,
         PRECISION=prec, BLOCK_M=bm, BLOCK_N=bn, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )  # fmt: skip
-    return out
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (-(-lq // tiles.block_m), hq)
-    kern.sink_attention_kernel[grid](
-        q, k, v, out, sinks.contiguous(), lq, k.shape[0], q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        float(scale) * kern.LOG2E, GROUP=hq // k.shape[1], HEAD_DIM=d, PRECISION=prec,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

@@ -7,8 +7,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-#: log2(e): the kernel works with exp2
-LOG2E = 1.4426950408889634
+#: log2(e): the kernel works with exp2 (a constexpr, so the kernel can read it; the host
+#: side reads `LOG2E.value`)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def sink_attention_kernel(
         v = v_desc.load([n0, hk * HEAD_DIM])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    sink = tl.load(sinks_ptr + hq) * 1.4426950408889634
+    sink = tl.load(sinks_ptr + hq) * LOG2E
     m_f = tl.maximum(m_i, sink)
     alpha = tl.exp2(m_i - m_f)
     denom = l_i * alpha + tl.exp2(sink - m_f)

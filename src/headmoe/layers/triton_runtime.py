@@ -11,8 +11,13 @@ that wants the interpreter must set it before the first import of a `*_kernels` 
 from __future__ import annotations
 
 import functools
+import importlib
+from types import ModuleType
 
 import torch
+
+#: the float dtypes headmoe's Triton kernels take (fp32 with IEEE products, fp16, bf16)
+KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @functools.cache
@@ -30,6 +35,24 @@ def use_triton(t: torch.Tensor) -> bool:
     """Whether the model layers route `t` (any tensor) through the Triton kernels: on CUDA,
     when triton is installed. CPU tensors always take the torch paths."""
     return t.is_cuda and available()
+
+
+def kernels(module: str) -> ModuleType:
+    """The `*_kernels` module `module` (a dotted name), imported on first use: importing it
+    imports triton and fixes compiled vs interpreted kernels (TRITON_INTERPRET)."""
+    return importlib.import_module(module)
+
+
+def descriptor(t: torch.Tensor, block: list[int], shape: list[int] | None = None,
+               strides: list[int] | None = None):  # fmt: skip
+    """A TMA tensor descriptor over t's storage with blocks `block`: of the contiguous 2-d
+    tensor t (a copy when t is not contiguous) by default, or of the 2-d view `shape` /
+    `strides` (elements, last stride 1) of t's storage when given."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if shape is None:
+        return TensorDescriptor.from_tensor(t.contiguous(), block)
+    return TensorDescriptor(t, shape, strides, block)
 
 
 def is_interpreted(kernel: object) -> bool:

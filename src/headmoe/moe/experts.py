@@ -21,6 +21,7 @@ import torch
 from headmoe.layers.activations import swiglu7_
 from headmoe.layers.matmul import MIN_ROWS, bi_matmul
 from headmoe.moe.kernels import aligned, grouped_mm, pad_features
+from headmoe.moe.routing import route_groups
 
 #: the fast path runs its GEMMs and activation over chunks of about this many activations
 CHUNK_ELEMENTS = 1 << 20
@@ -90,8 +91,7 @@ def experts_grouped(
     if n == 0:
         return z.new_zeros((0, h, d))
     dev = z.device  # every index tensor lives with the inputs (CUDA rejects CPU ones)
-    heads = torch.arange(h, device=dev).view(1, h, 1)
-    route_group = (experts + heads * (groups // h)).reshape(-1)
+    route_group = route_groups(experts, groups // h)
     order = torch.argsort(route_group, stable=True)
     counts = torch.bincount(route_group, minlength=groups)
     padded = torch.where(counts > 0, counts.clamp_min(MIN_ROWS), 0)

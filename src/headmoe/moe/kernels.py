@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: feature dims of GEMM operands are padded to multiples of this many fp32 elements (64 B)
-ALIGN = 16
+from headmoe.layers.matmul import ALIGN
 
 
 def aligned(n: int) -> int:

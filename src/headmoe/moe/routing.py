@@ -16,6 +16,14 @@ from headmoe.moe.kernels import pad_features
 ROUTE_EPS = 1e-12
 
 
+def route_groups(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The (head, expert) group id `head * num_experts + expert` of every route: experts
+    `[N, h, k]` int64 ids in [0, num_experts) -> `[N*h*k]` int64, flat `[N, h, k]` order
+    (the row of the group's weights in `[h*E, ...]` expert tensors)."""
+    heads = torch.arange(experts.shape[1], device=experts.device).view(1, -1, 1)
+    return (experts + heads * num_experts).reshape(-1)
+
+
 def route(
     z: torch.Tensor,
     gate: torch.Tensor,

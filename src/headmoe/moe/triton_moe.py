@@ -32,10 +32,11 @@ import torch
 
 from headmoe.config import is_int
 from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
-from headmoe.layers.triton_runtime import check_tensors
-from headmoe.moe.routing import ROUTE_EPS
+from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, descriptor, kernels
+from headmoe.moe.routing import ROUTE_EPS, route_groups
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: the module of the kernels (imported at the first call)
+KERNELS = "headmoe.moe.triton_moe_kernels"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,11 @@ class MoETiles:
     block_m: rows per tile (the group schedule's unit); gate_n/gate_k: d_expert columns and
     d-step of the gate/up kernel; down_n/down_k: d columns and d_expert-step of the down
     kernel; combine_m/combine_d: rows and columns of the combine; num_warps/num_stages:
-    CUDA launch options (ignored by the interpreter)."""
+    CUDA launch options (ignored by the interpreter). row_gather: the gate/up kernel
+    addresses z rows as `head * stride_h + token * stride_t` (strides that triton knows
+    to be multiples of 16, so the loads vectorise); False: the former gather through
+    element offsets loaded from memory (2-byte loads on bf16), kept for the A/B of
+    benchmarks/gpu_check.py. Both read the same elements: same bits."""
 
     block_m: int = 128
     gate_n: int = 128
@@ -56,6 +61,7 @@ class MoETiles:
     combine_d: int = 256
     num_warps: int = 8
     num_stages: int = 3
+    row_gather: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self)[:7]:
@@ -77,18 +83,12 @@ def supported(d: int, d_expert: int, tiles: MoETiles = DEFAULT_TILES) -> bool:
     return d % tiles.gate_k == 0 and d_expert % tiles.down_k == 0
 
 
-def _kernels():
-    from headmoe.moe import triton_moe_kernels
-
-    return triton_moe_kernels
-
-
 def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
 def _check_float(name: str, t: torch.Tensor, dim: int) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype not in _FLOATS:
+    if not isinstance(t, torch.Tensor) or t.dim() != dim or t.dtype not in KERNEL_FLOATS:
         got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{name} must be a {dim}-d float tensor, got {got}")
 
@@ -114,7 +114,7 @@ def route_triton(
                          f"{tuple(expert_bias.shape)} {expert_bias.dtype}")  # fmt: skip
     if not is_int(top_k) or not 1 <= top_k <= e:
         raise ValueError(f"top_k must be an int in [1, {e}], got {top_k!r}")
-    kern = _kernels().route_kernel
+    kern = kernels(KERNELS).route_kernel
     check_tensors(kern, z=z, gate=gate, expert_bias=expert_bias)
     ids = torch.empty((n, h, top_k), dtype=torch.int64, device=z.device)
     weights = torch.empty((n, h, top_k), dtype=torch.float32, device=z.device)
@@ -167,13 +167,6 @@ def group_schedule(
     return tile_group.to(torch.int32), tile_rows.to(torch.int32), order, row
 
 
-def _desc(t: torch.Tensor, block_rows: int, block_cols: int):
-    """A TMA descriptor of the contiguous 2-d tensor t with blocks `[block_rows, block_cols]`."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t.contiguous(), [block_rows, block_cols])
-
-
 def _check_experts_args(z, experts, weights, w_gate, w_up, w_down, tiles) -> None:
     """ValueError naming the first argument of `experts_triton` with a bad shape or dtype."""
     _check_float("z", z, 3)
@@ -213,7 +206,7 @@ def experts_triton(
     h*E*block_m) of f in z's dtype and of d in fp32. Rows compared for bits must come from
     calls with the same `tiles`."""
     _check_experts_args(z, experts, weights, w_gate, w_up, w_down, tiles)
-    kern = _kernels()
+    kern = kernels(KERNELS)
     check_tensors(kern.gate_up_kernel, z=z, experts=experts, weights=weights, w_gate=w_gate,
                   w_up=w_up, w_down=w_down)  # fmt: skip
     n, h, d = z.shape
@@ -223,12 +216,12 @@ def experts_triton(
         return out
     if z.stride(2) != 1:
         z = z.contiguous()
-    heads = torch.arange(h, device=z.device).view(1, h, 1)
-    route_group = (experts + heads * (groups // h)).reshape(-1)
+    route_group = route_groups(experts, groups // h)
     tile_group, tile_rows, order, row = group_schedule(route_group, groups, tiles.block_m)
     rows = tile_group.numel() * tiles.block_m
-    src = torch.zeros(rows, dtype=torch.int64, device=z.device)  # z element offset per row
-    src[row] = order // (h * k) * z.stride(0) + (order // k) % h * z.stride(1)
+    src = torch.zeros(rows, dtype=torch.int64, device=z.device)  # z row of every padded row
+    token, head = order // (h * k), (order // k) % h
+    src[row] = token if tiles.row_gather else token * z.stride(0) + head * z.stride(1)
     pos = torch.empty_like(row)
     pos[order] = row  # padded row of every route, flat [N, h, k] order
     hidden = torch.empty((rows, f), dtype=z.dtype, device=z.device)
@@ -237,15 +230,18 @@ def experts_triton(
     launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     bm = tiles.block_m
     nb_gate, nb_down = triton_cdiv(f, tiles.gate_n), triton_cdiv(d, tiles.down_n)
+    gate_block = [tiles.gate_k, tiles.gate_n]
     kern.gate_up_kernel[(tile_group.numel() * nb_gate,)](
-        z, src, tile_group, tile_rows, _desc(w_gate.reshape(-1, f), tiles.gate_k, tiles.gate_n),
-        _desc(w_up.reshape(-1, f), tiles.gate_k, tiles.gate_n), _desc(hidden, bm, tiles.gate_n),
-        groups, D=d, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION=prec, N_BLOCKS=nb_gate,
+        z, src, tile_group, tile_rows, descriptor(w_gate.reshape(-1, f), gate_block),
+        descriptor(w_up.reshape(-1, f), gate_block), descriptor(hidden, [bm, tiles.gate_n]),
+        groups, groups // h, z.stride(0), z.stride(1), D=d, LIMIT=SWIGLU_LIMIT,
+        ALPHA=SWIGLU_ALPHA, PRECISION=prec, ROW_GATHER=tiles.row_gather, N_BLOCKS=nb_gate,
         BLOCK_M=bm, BLOCK_N=tiles.gate_n, BLOCK_K=tiles.gate_k, **launch,
     )  # fmt: skip
     kern.down_kernel[(tile_group.numel() * nb_down,)](
-        _desc(hidden, bm, tiles.down_k), _desc(w_down.reshape(-1, d), tiles.down_k, tiles.down_n),
-        _desc(routed, bm, tiles.down_n), tile_group, groups, F=f, PRECISION=prec,
+        descriptor(hidden, [bm, tiles.down_k]),
+        descriptor(w_down.reshape(-1, d), [tiles.down_k, tiles.down_n]),
+        descriptor(routed, [bm, tiles.down_n]), tile_group, groups, F=f, PRECISION=prec,
         N_BLOCKS=nb_down, BLOCK_M=bm, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **launch,
     )  # fmt: skip
     grid = (triton_cdiv(n * h, tiles.combine_m), triton_cdiv(d, tiles.combine_d))

@@ -23,7 +23,7 @@ def route_kernel(
     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_M tokens of one head. Logits in fp32 (IEEE products), sigmoid,
-    top-k of score + bias with ties to the lowest id, ids stored ascending with their
+    top-k of score + bias with ties to the lowest id and NaN above every number, ids stored ascending with their
     unbiased scores L1-normalised (ascending-order sum) times route_scale."""
     head = tl.program_id(1)
     tok = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -44,6 +44,9 @@ def route_kernel(
     scores = 1.0 / (1.0 + tl.exp(-acc))
     bias = tl.load(bias_ptr + head * E + cols, mask=cmask, other=0.0)
     sel = tl.where(cmask[None, :], scores + bias[None, :], float("-inf"))
+    # NaN scores (a NaN input row) select first, like torch.sort's descending order in
+    # `route`: a NaN row gets experts 0..TOP_K-1, never the out-of-range id BLOCK_E
+    sel = tl.where(sel != sel, float("inf"), sel)
     free = tl.zeros([BLOCK_M, BLOCK_E], dtype=tl.int32) + cmask[None, :].to(tl.int32)
     for _ in tl.static_range(TOP_K):  # biased selection, ties to the lowest id
         best = tl.max(tl.where(free != 0, sel, float("-inf")), axis=1)
@@ -72,14 +75,18 @@ def route_kernel(
 
 @triton.jit
 def gate_up_kernel(
-    z_ptr, src_ptr, tile_group_ptr, tile_rows_ptr, wg_desc, wu_desc, h_desc, groups,
+    z_ptr, src_ptr, tile_group_ptr, tile_rows_ptr, wg_desc, wu_desc, h_desc, groups, experts,
+    stride_zt, stride_zh,
     D: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr, PRECISION: tl.constexpr,
-    N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROW_GATHER: tl.constexpr, N_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One program: tile `program_id(0) // N_BLOCKS` (BLOCK_M padded rows of one (head,
     expert) group) x columns block `program_id(0) % N_BLOCKS` (BLOCK_N of d_expert); a 1-d
-    grid, so the blocks of one tile run next to each other and share its rows in L2. Gathers the tile's z rows (element offsets `src`; rows
-    past the tile's `tile_rows` load zeros), h = SwiGLU7(z W_gate, z W_up) accumulated in
+    grid, so the blocks of one tile run next to each other and share its rows in L2. Gathers
+    the tile's z rows (rows past the tile's `tile_rows` load zeros): with ROW_GATHER, `src`
+    holds each row's token and its address is `z + head * stride_zh + token * stride_zt`
+    (head = group // experts; triton specialises strides divisible by 16, so it knows the
+    rows' alignment and issues 16-byte loads); without, `src` holds element offsets. h = SwiGLU7(z W_gate, z W_up) accumulated in
     fp32, rounded to h's dtype, stored at the tile's rows of h. Weights are read through
     `[G*D, F]` descriptors (D a multiple of BLOCK_K, so a block never crosses groups)."""
     tile = tl.program_id(0) // N_BLOCKS
@@ -90,12 +97,16 @@ def gate_up_kernel(
     rmask = local < tl.load(tile_rows_ptr + tile)
     row0 = tile * BLOCK_M
     src = tl.load(src_ptr + row0 + local, mask=rmask, other=0)
+    if ROW_GATHER:
+        z_rows = z_ptr + (group // experts).to(tl.int64) * stride_zh + src * stride_zt
+    else:
+        z_rows = z_ptr + src
     n0 = (tl.program_id(0) % N_BLOCKS) * BLOCK_N
     kk = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        a = tl.load(z_ptr + src[:, None] + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+        a = tl.load(z_rows[:, None] + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
         bg = wg_desc.load([group * D + k0, n0])
         bu = wu_desc.load([group * D + k0, n0])
         acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)

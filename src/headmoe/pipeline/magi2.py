@@ -4,10 +4,7 @@ with its model config)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -16,17 +13,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from headmoe.distributed.context import ParallelContext
+from headmoe.files import atomic_write
 from headmoe.models.magi2 import (
     PRESETS,
     BranchInput,
     Magi2Config,
     Magi2Transformer,
-    checkpoint_spec,
     get_config,
     load_checkpoint,
+    spec_digest,
     write_random_checkpoint,
 )
 from headmoe.models.magi2.loading import stream_layers
+from headmoe.models.refiner import Magi2Refiner, load_refiner
 from headmoe.pipeline import placement
 from headmoe.pipeline.encoders import (
     ByteTextEncoder,
@@ -35,6 +34,7 @@ from headmoe.pipeline.encoders import (
     TinyVideoDecoder,
 )
 from headmoe.pipeline.health import watch_layers
+from headmoe.pipeline.refine import Refiner
 
 if TYPE_CHECKING:
     from headmoe.pipeline.job import GenerateJob
@@ -60,8 +60,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
-    each node's first rank, decoders on the output rank) or the stand-in text encoder and
-    decoders sized to the model's channels."""
+    each node's first rank, decoders on the output rank, image encoder on rank 0) or the
+    stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
@@ -82,6 +82,9 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
             placement.node_text_encoder(ctx, job.release, timeout),
             placement.output_video_decoder(ctx, job.release),
             placement.output_audio_decoder(ctx, job.release),
+            image_encoder=placement.world_image_encoder(ctx, job.release),
+            refiner=refiner_component(ctx, job, None if job.offload_layers else model)
+            if job.refiner is not None else None,
         )
     return Components(
         Magi2Denoiser(model),
@@ -89,6 +92,23 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
         TinyVideoDecoder(cfg.video_in_channels),
         TinyAudioDecoder(cfg.audio_in_channels),
     )
+
+
+def refiner_component(ctx: ParallelContext, job: GenerateJob, preview: Any) -> Refiner:
+    """The release's refiner (``refiner/``) on ``ctx``'s SP groups, in the request's dtype,
+    loaded on the device, or on the host with ``--offload`` (`Refiner` moves it to the
+    device for the stage and ``preview``, the resident preview transformer or None when its
+    layers stream, to the host meanwhile)."""
+    release = job.release
+    if release.refiner is None:
+        raise ValueError(f"refiner_height / refiner_width need a release folder with "
+                         f"refiner/, and {release.root!r} has none")
+    device = placement.load_device(ctx.device, release.offload)
+    with torch.device(device):
+        model = Magi2Refiner(release.refiner_config, ctx, dtype=job.request.torch_dtype)
+    load_refiner(model, release.refiner)
+    model.eval()
+    return Refiner(model, preview, ctx.device, release.offload)
 
 
 def resolve_model(
@@ -109,19 +129,11 @@ def resolve_model(
 
     if model == "tiny":
         cfg = get_config("tiny")
-        spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
-        key = json.dumps([cfg.to_dict(), spec, TINY_CHECKPOINT_SEED], default=list)
-        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{spec_digest(cfg, TINY_CHECKPOINT_SEED)}"
         path = Path(cache_dir).expanduser() / f"{name}.safetensors"
         if write and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-            try:
-                write_random_checkpoint(cfg, tmp, seed=TINY_CHECKPOINT_SEED)
-                os.replace(tmp, path)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
+            atomic_write(path, lambda tmp: write_random_checkpoint(cfg, tmp,
+                                                                   seed=TINY_CHECKPOINT_SEED))
         return cfg, str(path)
     if model in PRESETS:
         raise ValueError(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from headmoe.pipeline.health import DECODER_HINT, check_media
+
 WAN22_LATENT_MEAN = (
     -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557,
     -0.1382, 0.0542, 0.2813, 0.0891, 0.1570, -0.0098, 0.0375, -0.1825,
@@ -79,9 +81,11 @@ def normalize(mu: torch.Tensor, channel_dim: int = 1) -> torch.Tensor:
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
     """Decoder output ``[B, 3, F, H, W]`` (any float dtype) -> ``[F, H, W, 3]`` uint8 of
     batch item 0, as MAGI-2's ``decode_video``: ``clamp(x * 0.5 + 0.5, 0, 1) * 255`` in
-    float32, then truncated (not rounded) to uint8."""
+    float32, then truncated (not rounded) to uint8. A NaN/Inf raises `NonFiniteError`
+    (it would become a black frame)."""
     if frames.dim() != 5 or frames.shape[1] != 3:
         raise ValueError(f"frames must be [B, 3, F, H, W], got {list(frames.shape)}")
+    check_media("after decoding", DECODER_HINT, **{"decoded video": frames[:1]})
     video = frames[:1].float().mul(0.5).add(0.5).clamp(0, 1)
     return video.permute(0, 2, 3, 4, 1).mul(255).to(torch.uint8)[0]
 

@@ -29,6 +29,16 @@ ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+#: an absolute path's folders (POSIX or a drive letter), up to its last component
+_FOLDERS = re.compile(r"(?<![\w.:/])(?:[A-Za-z]:)?[/\\](?:[^\s'\"/\\:,;()\[\]<>]+[/\\])+")
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with every absolute path cut to its last component (what a client may see
+    of a failure: ``'/srv/out/video_1.mp4'`` -> ``'video_1.mp4'``)."""
+    return _FOLDERS.sub("", text)
+
+
 class QueueFull(RuntimeError):
     """The queue holds ``max_queue`` jobs already (HTTP 429)."""
 

@@ -38,8 +38,9 @@ from headmoe.distributed.context import ParallelContext
 from headmoe.pipeline.job import Components, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
+from headmoe.serve.http import bound_logs, uvicorn_options
 from headmoe.serve.spec import ServeSpec
-from headmoe.serve.state import ID_PATTERN, Job, JobStore
+from headmoe.serve.state import ID_PATTERN, Job, JobStore, redact_paths
 from headmoe.serve.validate import estimate_rank_bytes
 
 
@@ -73,7 +74,9 @@ class Leader:
         from headmoe.serve.app import create_app
 
         config = uvicorn.Config(create_app(self.store, self.spec), log_level=self.spec.log_level,
-                                access_log=False, timeout_graceful_shutdown=5)
+                                access_log=False, timeout_graceful_shutdown=5,
+                                **uvicorn_options())
+        bound_logs()
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]},
                                         name="uvicorn", daemon=True)
@@ -128,9 +131,9 @@ class Leader:
         """End the current job from every rank's outcome (``{"rank", "status", "message"}``)."""
         job, self.current = self.current, None
         failed = [o for o in outcomes if o["status"] == "failed"]
-        if failed:
-            self.store.finish(job, "failed", f"rank {failed[0]['rank']}: {failed[0]['message']}",
-                              None)
+        if failed:  # clients never see the server's paths
+            message = redact_paths(f"rank {failed[0]['rank']}: {failed[0]['message']}")
+            self.store.finish(job, "failed", message, None)
         elif any(o["status"] == "cancelled" for o in outcomes):
             why = "cancelled by request" if job.cancel_requested else "server shutting down"
             self.store.finish(job, "cancelled", why, None)

@@ -13,6 +13,7 @@ from headmoe.models.magi2.loading import (
     checkpoint_spec,
     load_checkpoint,
     parameter_count,
+    spec_digest,
     write_random_checkpoint,
 )
 from headmoe.models.magi2.model import Magi2Transformer, sp_token_counts
@@ -37,6 +38,7 @@ __all__ = [
     "PackedInputs",
     "check_checkpoint",
     "checkpoint_spec",
+    "spec_digest",
     "get_config",
     "load_checkpoint",
     "modality_order",

@@ -1,0 +1,136 @@
+"""Batch-invariant dense ops on the GPU: a Triton GEMM with fixed tiles and no split-K, and a
+one-row-per-program RMSNorm (issue 21).
+
+Why: on CUDA, cuBLAS picks its kernel (tile shape, split-K, stream-K) from the matrix sizes,
+so a row of `F.linear` can get other bits when the number of rows in the call changes, and
+torch's CUDA reductions pick their block shape and vectorisation from the tensor's shape
+too. The layout contract (every parallel layout gives the same bytes) needs a token's bits
+to be independent of how many rows share its call (SP shard sizes, modality groups, tokens
+per expert) and of where its row sits; a 1-ulp change in an MoE input can flip a top-6
+choice.
+
+How: `matmul` computes every output element from its own row of a and column of b with
+one fixed order: tiles are fixed per dtype (`DENSE_TILES`; never chosen from M), each
+program walks the whole K in steps of `block_k` from 0 (no split-K, no atomics), masked
+rows and columns load zeros. `rms_norm_rows` sums each row's squares in `NORM_BLOCK` lanes
+in column order and reduces the lanes with one fixed tree, the same for every row of its
+block of `NORM_ROWS` rows (rows never mix; the block size is fixed).
+So a row's bits depend on its own values, the other operand, the dtype and the tiles only
+(given that the GPU's MMA computes an element the same way wherever its row sits in a
+tile: `benchmarks/gpu_check.py` section (b) measures it on the device). CPU runs check the
+kernels under Triton's interpreter (tests/layers/test_triton_dense.py). Not bit-equal to
+cuBLAS / torch, nor to the CPU path.
+
+Arithmetic: operands in their dtype (bf16/fp16; fp32 with IEEE products, no TF32), fp32
+accumulation, an fp32 bias added after the last K step, the result rounded to a's dtype;
+RMSNorm entirely in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, kernels
+
+#: the module of the kernels (imported at the first call)
+KERNELS = "headmoe.layers.triton_dense_kernels"
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseTiles:
+    """Fixed tiles of `matmul`: block_m x block_n outputs per program, K in steps of block_k
+    (powers of two >= 16); num_warps/num_stages: CUDA launch options (ignored by the
+    interpreter). Rows compared for bits must come from calls with the same tiles."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"DenseTiles.{name} must be a power of two >= 16, got {v!r}")
+
+
+#: the tiles of each dtype (fixed: a row never sees another configuration). fp32 runs IEEE
+#: products on CUDA cores, so its tiles are smaller (registers, shared memory).
+DENSE_TILES = {
+    torch.bfloat16: DenseTiles(),
+    torch.float16: DenseTiles(),
+    torch.float32: DenseTiles(block_m=64, block_n=64, block_k=32, num_warps=8),
+}
+#: rows per program and columns per step of `rms_norm_rows` (fixed: never chosen from the
+#: row count; a row is reduced on its own whatever block it shares)
+NORM_ROWS = 32
+NORM_BLOCK = 128
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+    tiles: DenseTiles | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`a @ b (+ bias)` with rows independent of the batch.
+
+    a: `[M, K]` or `[G, M, K]`; b: `[K, N]` or `[G, K, N]` (any strides; `weight.t()` of
+    an `[N, K]` weight is a view), same float dtype (fp32, fp16, bf16); bias: `[N]` or
+    None, added in fp32. Returns `[M, N]` / `[G, M, N]` in a's dtype. tiles: the
+    `DENSE_TILES` entry of the dtype when None."""
+    if a.dim() not in (2, 3) or b.dim() != a.dim() or a.dtype not in KERNEL_FLOATS:
+        raise ValueError(f"a and b must be 2-d or 3-d float tensors of the same rank, got "
+                         f"{tuple(a.shape)} {a.dtype} and {tuple(b.shape)}")  # fmt: skip
+    if b.dtype != a.dtype or b.shape[-2] != a.shape[-1] or b.shape[:-2] != a.shape[:-2]:
+        raise ValueError(f"b must be {a.dtype} [..., {a.shape[-1]}, N] matching a "
+                         f"{tuple(a.shape)}, got {tuple(b.shape)} {b.dtype}")  # fmt: skip
+    if bias is not None and tuple(bias.shape) != (b.shape[-1],):
+        raise ValueError(f"bias must be [{b.shape[-1]}], got {tuple(bias.shape)}")
+    tiles = tiles or DENSE_TILES[a.dtype]
+    kern = kernels(KERNELS).matmul_kernel
+    check_tensors(kern, a=a, b=b, **({} if bias is None else {"bias": bias}))
+    a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
+    g, m, k = a3.shape
+    n = b3.shape[2]
+    c3 = torch.empty((g, m, n), dtype=a.dtype, device=a.device)
+    if m and n and g:
+        bias32 = c3 if bias is None else bias.float().contiguous()
+        grid = (-(-m // tiles.block_m) * -(-n // tiles.block_n), g)
+        kern[grid](
+            a3, b3, bias32, c3, m, n, k, *a3.stride(), *b3.stride(), *c3.stride(),
+            HAS_BIAS=bias is not None, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )  # fmt: skip
+    return c3 if a.dim() == 3 else c3[0]
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(mean(x^2) + eps) * (1 + weight)` over the last dim, each row reduced on its
+    own (`NORM_ROWS` rows per program).
+
+    x: `[..., C]` float (fp32/fp16/bf16); weight: fp32 broadcastable to x (`[C]`, or one
+    row of weights per token such as `[T, C]` / `[T, 1, C]`). Returns fp32 `[..., C]`."""
+    if x.dtype not in KERNEL_FLOATS or x.dim() == 0:
+        raise ValueError(f"x must be a float tensor [..., C], got {tuple(x.shape)} {x.dtype}")
+    c = x.shape[-1]
+    kern = kernels(KERNELS).rms_norm_kernel
+    check_tensors(kern, x=x, weight=weight)
+    x2 = x.reshape(-1, c)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w2 = weight.float().expand(x.shape).reshape(-1, c)  # a view unless weight is per token
+    if w2.stride(-1) != 1:
+        w2 = w2.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if x2.shape[0] and c:
+        o2 = out.view(-1, c)
+        r = x2.shape[0]
+        kern[(-(-r // NORM_ROWS),)](
+            x2, w2, o2, r, c, x2.stride(0), w2.stride(0), o2.stride(0), float(eps),
+            BLOCK_R=NORM_ROWS, BLOCK_C=min(NORM_BLOCK, max(16, 1 << (c - 1).bit_length())),
+            num_warps=8,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,74 @@
+"""Triton kernels of the batch-invariant dense ops (imported lazily by
+`headmoe.layers.triton_dense`, which documents shapes and the invariance argument).
+Importing this module imports triton; TRITON_INTERPRET is read at import."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def matmul_kernel(
+    a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+    stride_ag, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
+    stride_cg, stride_cm, stride_cn,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program: rows `[m0, m0 + BLOCK_M)` x columns `[n0, n0 + BLOCK_N)` of group
+    `program_id(1)` of `c = a @ b (+ bias)`. The whole K is walked by this program, from 0
+    upwards in steps of BLOCK_K (no split-K), accumulating in fp32; rows past M and
+    columns past K load zeros. The bias (fp32) is added once, after the last step; the
+    result is rounded to c's dtype."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)
+    rows = (pid // n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask, cmask = rows < M, cols < N
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + group * stride_ag + rows.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + group * stride_bg + cols.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + kk) < K
+        a = tl.load(a_rows + (k0 + kk)[None, :] * stride_ak,
+                    mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_cols + (k0 + kk)[:, None] * stride_bk,
+                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+    dst = c_ptr + group * stride_cg + rows.to(tl.int64)[:, None] * stride_cm
+    tl.store(dst + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=rmask[:, None] & cmask[None, :])  # fmt: skip
+
+
+@triton.jit
+def rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, R, C, stride_x, stride_w, stride_out, eps,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One program: rows `[r0, r0 + BLOCK_R)`, each reduced on its own (rows past R are
+    masked). `out = x * rsqrt(sum(x^2) / C + eps) * (1 + w)` in fp32: a row's squares are
+    summed in BLOCK_C lanes over the row in steps of BLOCK_C from column 0, then its lanes
+    are reduced along axis 1 by one fixed tree (`tl.sum`), the same tree for every row of
+    the block, so no row's bits depend on the others or on its place in the block."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rows = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        mask = rmask[:, None] & (c0 + cols < C)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + (c0 + cols)[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        acc += x * x
+    inv = tl.rsqrt(tl.sum(acc, axis=1) / C + eps)
+    for c0 in range(0, C, BLOCK_C):
+        mask = rmask[:, None] & (c0 + cols < C)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + (c0 + cols)[None, :], mask=mask, other=0.0)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + (c0 + cols)[None, :], mask=mask, other=0.0)
+        out = x.to(tl.float32) * inv[:, None] * (1.0 + w)
+        tl.store(out_ptr + rows[:, None] * stride_out + (c0 + cols)[None, :], out, mask=mask)
