@@ -24,7 +24,6 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from headmoe.config import ParallelConfig
+from headmoe.config import ParallelConfig, check_positive_number
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
@@ -105,9 +104,7 @@ class GenerateJob:
     resident_layers: int = 0
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
+        check_positive_number("timeout_s", self.timeout_s)
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:
