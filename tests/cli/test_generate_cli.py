@@ -73,7 +73,7 @@ def test_cuda_noise_refused_without_cuda(tmp_path, capsys, monkeypatch):
     code = main(["generate", "--prompt", "x", "--cache-dir", str(tmp_path / "c"), "--output",
                  str(tmp_path / "o.mp4"), "--noise-device", "cuda"])
     err = capsys.readouterr().err
-    assert code == 2 and "--noise-device cuda draws the noise on the GPU, but no CUDA" in err
+    assert code == 2 and "--noise-device='cuda' draws the noise on the GPU, but no CUDA" in err
     assert not (tmp_path / "o.mp4").exists()
 
 
