@@ -223,10 +223,12 @@ def denoise(
     return xv, xa, step_times
 
 
-def _gather_infos(ctx: ParallelContext, step_times: list[float]) -> list[dict[str, Any]]:
-    """Every rank's step times and counters (one all-gather of small host objects)."""
+def _gather_infos(ctx: ParallelContext, step_times: list[float],
+                  text_runs: int | None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every rank's step times, counters and text-encoder runs (None: the encoder does not
+    count them) in one all-gather of small host objects."""
     mine = {"rank": ctx.rank, "dp": ctx.coords.dp, "step_times_s": step_times,
-            "counters": ctx.counters.summary()}
+            "counters": ctx.counters.summary(), "text_encoder_runs": text_runs}
     if ctx.world_size == 1:
         return [mine]
     infos: list[Any] = [None] * ctx.world_size
@@ -264,7 +266,7 @@ def run_request(
     texts, text_counts = encode_prompts(parts.text_encoder, prompts, ctx.device)
     text_info = text_report(parts.text_encoder, prompts, texts, text_counts)
     xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step)
-    infos = _gather_infos(ctx, step_times)
+    infos = _gather_infos(ctx, step_times, getattr(parts.text_encoder, "runs", None))
     result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
               "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
     if (coords.sp, coords.cfg) != (0, 0):
@@ -314,6 +316,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "video_sha256": result["video_sha256"],
         "audio_sha256": result["audio_sha256"],
         "counters": {str(x["rank"]): x["counters"] for x in group},
+        "text_encoder_runs": {str(x["rank"]): x["text_encoder_runs"] for x in infos},
         "torch": torch.__version__,
         **job.extra,
     }
