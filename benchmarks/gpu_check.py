@@ -462,13 +462,14 @@ def check_dense(ctx: Ctx) -> None:
 
 
 def section_checks(ctx: Ctx) -> None:
+    """Every check of section (a), the budget looked at between them."""
     inp = moe_inputs(ctx, ctx.sh.check_tokens, seed=1)
     ids, w = check_routing(ctx, inp)
-    check_experts(ctx, inp, ids, w)
-    check_nan_rows(ctx, inp)
-    check_layer_dispatch(ctx)
-    check_attention(ctx)
-    check_dense(ctx)
+    for check in (lambda: check_experts(ctx, inp, ids, w), lambda: check_nan_rows(ctx, inp),
+                  lambda: check_layer_dispatch(ctx), lambda: check_attention(ctx),
+                  lambda: check_dense(ctx)):  # fmt: skip
+        ctx.check_budget()
+        check()
 
 
 # ---------------------------------------------------------------------------- (b) probe
