@@ -5,22 +5,27 @@ and transformer predictions of ``denoise_i2v`` (b)."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.magi2 import BranchInput, Magi2Transformer, load_checkpoint, pack_branches
-from headmoe.pipeline import figure
+from headmoe.pipeline import i2v as figure
 from headmoe.pipeline import wan_vae as wv
-from tests.models.golden import golden_config, golden_weights
+from headmoe.pipeline.encoders import Components
+from headmoe.pipeline.job import GenerateJob, denoise, draw_noise
+from headmoe.pipeline.magi2 import Magi2Denoiser
+from headmoe.pipeline.request import GenerateRequest
+from headmoe.pipeline.sampler import cfg_combine
+from tests.models.golden import golden_config, golden_weights, max_abs
 from tests.pipeline.goldens import golden_file
 
 NAME = "magi2_pipeline"
 #: MAGI2 pipeline README tolerances
-LATENT_TOL, PRED_TOL = 1e-4, 2e-5
+LATENT_TOL, PRED_TOL, LOOP_TOL = 1e-4, 2e-5, 1e-3
 
 
 def _json(rel: str) -> dict:
@@ -73,6 +78,28 @@ def test_figure_token_indices_from_golden_offsets():
 
 
 @pytest.mark.parametrize("case", ["plain", "json_dict"])
+def test_figure_indices_through_the_release_tokenizer(case):
+    """`Qwen35TextEncoder.figure_indices` with the golden tiny tokenizer set up as the release
+    sets it up (the extra pre-tokenizer split) and the marker added by `ensure_figure_token`."""
+    from transformers import AutoTokenizer
+
+    from headmoe.pipeline.prompts import add_released_split
+    from headmoe.pipeline.text_encoder import Qwen35TextEncoder
+
+    meta = _json("tokenization.json")["pool_figure_tokens"][case]
+    tok = AutoTokenizer.from_pretrained(golden_file(NAME, "tokenizer/tokenizer.json").parent,
+                                        local_files_only=True, padding_side="right")
+    add_released_split(tok)
+    enc = Qwen35TextEncoder(SimpleNamespace(config=SimpleNamespace(hidden_size=40)), tok, 5)
+    for prompt in (meta["prompt"], figure.ensure_figure_token(meta["prompt_before_ensure"])):
+        idx = enc.figure_indices(prompt)
+        assert len(idx) == 7
+        if prompt == meta["prompt"]:
+            assert idx == meta["indices"]["<Figure 1>"]
+    assert len(enc.tokenize(meta["prompt"])[0]) == meta["num_tokens"]
+
+
+@pytest.mark.parametrize("case", ["plain", "json_dict"])
 def test_pool_figure_token_bitwise(case):
     meta = _json("tokenization.json")["pool_figure_tokens"][case]
     gold = load_file(golden_file(NAME, "pool_figure_tokens.safetensors"))
@@ -84,42 +111,93 @@ def test_pool_figure_token_bitwise(case):
     assert torch.equal(absent, gold[f"pool.{case}.pooled"][1])
 
 
-# ---------------------------------------------------------------------- (b) packing
-def i2v_branches(d: dict[str, torch.Tensor], tau: float) -> list[BranchInput]:
-    """The golden I2V inputs as headmoe branches (cond, uncond): both carry the same image
-    latent `[h, w, 48]` and the same special token (`use_ref_for_uncond`)."""
-    image = d["in.ref_image_feat"][0, 0, :, 0].permute(1, 2, 0).contiguous()
-    token = d["in.ref_image_special_token"][0, 0]
-    video = d["in.video_noise"][0].permute(1, 2, 3, 0).contiguous()
-    audio = d["in.audio_noise"][0]
-    return [BranchInput(video, audio, d[f"in.{k}"][0], tau, tau, image, token)
-            for k in ("txt_feat", "null_txt_feat")]
+# ---------------------------------------------------------------------- (b) the loop
+STEPS = 3
+
+
+def _video(x: torch.Tensor) -> torch.Tensor:
+    """Golden ``[C, T, H, W]`` -> headmoe ``[T, H, W, C]``."""
+    return x.permute(1, 2, 3, 0).contiguous()
+
+
+class _Recorder:
+    """`Denoiser` that records each call's branches and outputs."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __call__(self, branches):
+        out = self.inner(branches)
+        self.calls.append((list(branches), out))
+        return out
 
 
 @pytest.fixture(scope="module")
-def i2v():
-    return load_file(golden_file(NAME, "denoise_i2v.safetensors"))
+def i2v_run(single_thread):
+    """``denoise_i2v`` through headmoe's `draw_noise`, `denoise` (released sampler), packing
+    and transformer, with the golden image latent and special token as the `ImageCondition`
+    of both branches: (golden tensors, recorded calls, final latents, noise)."""
+    d = load_file(golden_file(NAME, "denoise_i2v.safetensors"))
+    seed = _json("cases.json")["denoise"]["i2v"]["make_denoise_inputs"]["seed"]
+    model = Magi2Transformer(golden_config(), dtype=torch.float32)
+    load_checkpoint(model, golden_weights())
+    rec = _Recorder(Magi2Denoiser(model.eval()))
+    req = GenerateRequest(prompt="golden", num_inference_steps=STEPS, shift=7.0, seed=seed,
+                          guidance_scale=5.0, audio_guidance_scale=7.0)
+    _, _, t, h, w = d["in.video_noise"].shape
+    parts = Components(rec, None, _Shapes((t, h, w), 48), _Shapes(d["in.audio_noise"].shape[1], 64))
+    noise = draw_noise(ParallelContext.single(), req, parts)
+    cond = figure.ImageCondition(_video(d["in.ref_image_feat"][0, 0])[0],
+                                 d["in.ref_image_special_token"][0, 0])
+    job = GenerateJob(req, None, None, "", None, progress=False)
+    texts = [d["in.txt_feat"][0], d["in.null_txt_feat"][0]]
+    xv, xa, _ = denoise(ParallelContext.single(), job, parts, noise, texts, cond=cond)
+    return d, rec.calls, (xv, xa), noise
 
 
-def test_step0_packed_bitwise(i2v):
-    tau = float(i2v["step0.model_t"][0])
-    packed = pack_branches(i2v_branches(i2v, tau), golden_config())
+class _Shapes:
+    """A decoder that only states the golden latent size (for `draw_noise`)."""
+
+    def __init__(self, size, channels):
+        self.size, self.latent_channels, self.sample_rate = size, channels, 44100
+
+    def latent_shape(self, num_frames, height, width):
+        return self.size
+
+    def latent_length(self, duration_s):
+        return self.size
+
+
+def test_i2v_noise_and_step0_packed_bitwise(i2v_run):
+    d, calls, _, noise = i2v_run
+    assert torch.equal(noise.video, _video(d["in.video_noise"][0]))
+    assert torch.equal(noise.audio, d["in.audio_noise"][0])
+    packed = pack_branches(calls[0][0], golden_config())
     for key in ("x", "coords", "modality", "cu_seqlens", "time_tokens"):
-        gold = i2v[f"step0.packed.{key}"]
-        assert torch.equal(getattr(packed, key).to(gold.dtype), gold), key
+        gold = d[f"step0.packed.{key}"]
+        assert torch.equal(getattr(packed, key), gold.to(getattr(packed, key).dtype)), key
     end = int(packed.cu_seqlens[1])  # 1 special token + 3 x 5 image rows close both branches
     assert torch.equal(packed.x[end - 16 : end], packed.x[-16:])
 
 
-def test_step0_predictions(i2v, single_thread):
-    model = Magi2Transformer(golden_config(), ParallelContext.single(ParallelConfig()),
-                             dtype=torch.float32)
-    load_checkpoint(model, str(golden_weights()))
-    outs = model.eval()(i2v_branches(i2v, float(i2v["step0.model_t"][0])))
-    video = torch.stack([o.video.permute(3, 0, 1, 2) for o in outs])
-    audio = torch.stack([o.audio for o in outs])
-    assert (video - i2v["step0.pred.video"]).abs().max().item() <= PRED_TOL
-    assert (audio - i2v["step0.pred.audio"]).abs().max().item() <= PRED_TOL
+def test_i2v_predictions_guidance_and_latents(i2v_run):
+    d, calls, final, _ = i2v_run
+    assert len(calls) == STEPS
+    for i, (_, preds) in enumerate(calls):
+        tol = PRED_TOL if i == 0 else LOOP_TOL
+        for b, (pv, pa) in enumerate(preds):  # row 0 cond, row 1 uncond
+            assert max_abs(pv, _video(d[f"step{i}.pred.video"][b])) <= tol, (i, b)
+            assert max_abs(pa, d[f"step{i}.pred.audio"][b]) <= tol, (i, b)
+        (vc, ac), (vu, au) = preds
+        assert max_abs(cfg_combine(vc, vu, 5.0), _video(d[f"step{i}.cfg.video"][0])) <= LOOP_TOL
+        assert max_abs(cfg_combine(ac, au, 7.0), d[f"step{i}.cfg.audio"][0]) <= LOOP_TOL
+        if i + 1 < STEPS:  # the latents after step i are what step i + 1 feeds the model
+            nxt = calls[i + 1][0][0]
+            assert max_abs(nxt.video, _video(d[f"step{i}.latent.video"][0])) <= LOOP_TOL
+            assert max_abs(nxt.audio, d[f"step{i}.latent.audio"][0]) <= LOOP_TOL
+    xv, xa = final
+    assert max_abs(xv, _video(d["out.video"][0])) <= LOOP_TOL
+    assert max_abs(xa, d["out.audio"][0]) <= LOOP_TOL
 
 
 def test_image_rows_validated():

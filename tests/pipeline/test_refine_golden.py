@@ -11,12 +11,16 @@ from headmoe.pipeline.refine import (
     REFINER_NOISE_INDEX,
     REFINER_SHIFT,
     REFINER_STEPS,
+    refine_latent,
     refiner_latent_thw,
+    refiner_sampler,
+    refiner_schedule,
     renoise,
     renoise_signal,
     upsample_preview,
     zero_snr_table,
 )
+from headmoe.pipeline.sampler import cfg_combine
 from tests.goldens import golden_file
 from tests.models.refiner_golden import TOL, golden_json, golden_model, load_case, max_abs
 
@@ -62,3 +66,43 @@ def test_every_step_forward(loop, model):
         x = loop["handoff.renoised" if k == 0 else f"step{k - 1}.latent"][0]
         assert max_abs(model(x, ctx), loop[f"step{k}.v_cond"][0]) <= TOL, k
         assert max_abs(model(x, null), loop[f"step{k}.v_uncond"][0]) <= TOL, k
+
+
+def test_schedule_exact():
+    sched = load_file(golden_file("magi2_refiner", "schedules.safetensors"))
+    ours = refiner_schedule()
+    assert torch.equal(ours.timesteps, sched["refiner.timesteps"])
+    assert ours.timesteps.tolist() == [999, 952, 882, 768, 555]
+    assert torch.equal(ours.sigmas, sched["refiner.sigmas"])
+
+
+def test_sampler_steps_bitwise_from_the_stored_velocities(loop):
+    """The released UniPC (pipeline.sampler, shared with the preview) on the refiner's
+    schedule reproduces every stored latent bit for bit from the stored velocities."""
+    sampler, x = refiner_sampler(), loop["handoff.renoised"][0]
+    for k in range(REFINER_STEPS):
+        v = cfg_combine(loop[f"step{k}.v_cond"][0], loop[f"step{k}.v_uncond"][0],
+                        REFINER_GUIDANCE)
+        x = sampler.step(k, x, v)
+        assert torch.equal(x, loop[f"step{k}.latent" if k < 4 else "out.latent"][0]), k
+
+
+def test_refine_loop_end_to_end(loop, model):
+    """Handoff from the preview latent (with the recorded noise), 5 CFG steps = 10
+    forwards, final latent: <= 1e-4."""
+    case = golden_json("cases.json")["cases"]["refine_loop"]
+    up = upsample_preview(loop["in.preview_latent"][0],
+                          refiner_latent_thw(2, *case["refiner_px_hw"]))
+    x = renoise(up, loop["handoff.noise"][0])
+    texts = (loop["in.context"][0], loop["in.context_null"][0])
+    calls = []
+
+    def predict(latent):
+        calls.append(latent)
+        return model(latent, texts[0]), model(latent, texts[1])
+
+    out, times = refine_latent(predict, x, refiner_sampler(), REFINER_STEPS)
+    assert len(calls) == 5 and len(times) == 5
+    for k in range(1, REFINER_STEPS):
+        assert max_abs(calls[k], loop[f"step{k - 1}.latent"][0]) <= TOL, k
+    assert max_abs(out, loop["out.latent"][0]) <= TOL

@@ -29,6 +29,7 @@ from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
+from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.release import VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
@@ -50,6 +51,9 @@ FLAGS: dict[str, str] = {
             "timeout",
             "video_decoder",
             "offload",
+            "refiner_height",
+            "refiner_width",
+            "refiner_steps",
             "offload_layers",
             "resident_layers",
         )
@@ -76,10 +80,44 @@ def register(subparsers: Any) -> None:
     )
     _add_model_flags(p)
     _add_request_flags(p)
+    _add_refiner_flags(p)
     _add_layout_flags(p)
     _add_run_flags(p)
     checks.add_arguments(p)
     p.set_defaults(run=run)
+
+
+def _add_refiner_flags(p: argparse.ArgumentParser) -> None:
+    """--refiner-height, --refiner-width, --refiner-steps (the 1080p stage)."""
+    stage = RefinerStage()
+    p.add_argument("--refiner-height", type=int, default=None,
+                   help="run the release's refiner (refiner/) after the preview, at this "
+                   f"height in pixels (a multiple of 16; with --refiner-width, default "
+                   f"{stage.height}); the clip gets 2T-1 latent frames at twice the fps")
+    p.add_argument("--refiner-width", type=int, default=None,
+                   help=f"refiner width in pixels (a multiple of 16; default {stage.width})")
+    p.add_argument("--refiner-steps", type=int, default=None,
+                   help=f"refiner sampler steps (default {stage.steps})")
+
+
+def refiner_stage(args: argparse.Namespace, release: Any, parallel: ParallelConfig) -> Any:
+    """The `RefinerStage` the refiner flags ask for (None: no refiner), checked against the
+    release's refiner/ and the layout. Raises `ValueError` naming the flag."""
+    from headmoe.models.refiner import validate_parallel
+
+    given = {k: getattr(args, k, None) for k in ("refiner_height", "refiner_width",
+                                                 "refiner_steps")}
+    if all(v is None for v in given.values()):
+        return None
+    if release is None or release.refiner is None:
+        where = "the embedded tiny release" if release is None else repr(release.root)
+        raise ValueError(f"refiner_height / refiner_width / refiner_steps need a release folder "
+                         f"with refiner/; {where} has none")
+    d = RefinerStage()
+    stage = RefinerStage(given["refiner_height"] or d.height, given["refiner_width"] or d.width,
+                         d.steps if given["refiner_steps"] is None else given["refiner_steps"])
+    validate_parallel(release.refiner_config, parallel)
+    return stage
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -128,6 +166,13 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="UTF-8 text, raw (no template); the text encoder's token limit applies "
         "(truncation is warned about and recorded in the sidecar)",
+    )
+    p.add_argument(
+        "--image",
+        default=None,
+        metavar="PATH",
+        help="image-to-video: a PNG, JPEG or WebP file whose content becomes the first frame "
+        "(release folders; the prompt gets the <Figure 1> marker)",
     )
     p.add_argument(
         "--negative-prompt",
@@ -240,9 +285,11 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
         checks.check_output(output, args.overwrite, parallel.data_parallel_size)
         model_config, checkpoint, release = _checked_model(args, request, parallel, world)
+        refiner = refiner_stage(args, release, parallel)
     except ValueError as exc:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flagify(str(exc))) from None
+    image = _image(args, request, release)  # its messages name --image themselves
     job = GenerateJob(
         request,
         parallel,
@@ -256,8 +303,26 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         resident_layers=getattr(args, "resident_layers", 0),
         extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
         release=release,
+        image=image,
+        refiner=refiner,
     )
     return job, world
+
+
+def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
+    """The checked, preprocessed ``--image`` (`headmoe.pipeline.image.read_image`), or
+    None; refused with a model that has no image encoder."""
+    if getattr(args, "image", None) is None:
+        return None
+    if release is None or release.image_encoder is None:
+        raise UserError(f"--image needs a release folder with vae/ (the Wan2.2 encoder), not "
+                        f"--model {args.model!r}")
+    from headmoe.pipeline.image import ImageError, read_image
+
+    try:
+        return read_image(args.image, request.height, request.width)
+    except ImageError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _checked_model(args: argparse.Namespace, request: GenerateRequest,
@@ -309,14 +374,15 @@ def _release(args: argparse.Namespace, request: GenerateRequest, parallel: Paral
     video = args.video_decoder or "turbo"
     video_latents.latent_shape(request.num_frames, request.height, request.width)
     request.audio_samples(44100)
+    image = getattr(args, "image", None) is not None
     if args.model == "tiny":
         validate_parallel(get_config("tiny"), parallel)
-        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload)
+        found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload, image)
         found = dataclasses.replace(
             found, model_config=dataclasses.replace(found.model_config, name="tiny")
         )
     else:
-        found = rel.find_release(args.model, video, args.offload)
+        found = rel.find_release(args.model, video, args.offload, image)
         validate_parallel(found.model_config, parallel)
     rel.check_release(found)  # headers only, before any rank starts
     return found

@@ -111,7 +111,7 @@ def triton_range_attention(
     kern.range_attention_kernel[(len(plan.q_tiles), hq)](
         q, k, v, out, q_tiles, k_offsets, k_ranges,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), float(scale) * triton_attention_kernels.LOG2E,
+        out.stride(0), out.stride(1), float(scale) * triton_attention_kernels.LOG2E.value,
         GROUP=hq // k.shape[1], HEAD_DIM=d, PRECISION=prec, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from headmoe.models.magi2 import BranchInput
+    from headmoe.pipeline.image import ReferenceImage
 
 TEXT_SEED, VIDEO_SEED, AUDIO_SEED = 1001, 1002, 1003
 
@@ -155,11 +156,24 @@ class Denoiser(Protocol):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+class ImageEncoder(Protocol):
+    """Image-to-video: a reference image -> its clean video latent."""
+
+    def encode(self, image: ReferenceImage) -> torch.Tensor:
+        """``[h, w, video latent channels]`` fp32 on CPU (``(h, w) = image.latent_size``),
+        identical on every rank."""
+        ...
+
+
 @dataclass
 class Components:
-    """What a job runs: the transformer behind `Denoiser` and the three codecs."""
+    """What a job runs: the transformer behind `Denoiser`, the three codecs and, for
+    image-to-video, the image encoder (None: the model takes no image)."""
 
     denoiser: Denoiser
     text_encoder: TextEncoder
     video_decoder: VideoDecoder
     audio_decoder: AudioDecoder
+    image_encoder: ImageEncoder | None = None
+    refiner: Any = None
+    """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""

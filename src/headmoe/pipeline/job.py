@@ -50,6 +50,7 @@ from headmoe.pipeline.health import (
     text_report,
     warn_truncated,
 )
+from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
 from headmoe.pipeline.magi2 import magi2_components
 from headmoe.pipeline.media import (
     quantize_audio,
@@ -58,9 +59,11 @@ from headmoe.pipeline.media import (
     write_mp4,
     write_sidecar,
 )
+from headmoe.pipeline.refine import REFINER_FPS_FACTOR, refine_stage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
+from headmoe.pipeline.video_latents import frame_count
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,12 @@ class GenerateJob:
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False
     """Check every transformer layer's output for NaN/Inf (``--debug``)."""
+    image: Any = None
+    """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
+    pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
+    refiner: Any = None
+    """The 1080p refiner stage (a `headmoe.pipeline.refine.RefinerStage`; the release's
+    ``refiner/`` runs it after the preview); None: the preview is the output."""
     offload_layers: bool = False
     """Stream the transformer's layer weights from the checkpoint (``--offload-layers``,
     `headmoe.models.streaming`); the first ``resident_layers`` layers stay resident."""
@@ -149,6 +158,8 @@ class Noise:
     video: torch.Tensor
     audio: torch.Tensor
     num_samples: int
+    generator: torch.Generator | None = None
+    """The request's generator after these draws (the refiner's noise is its next draw)."""
 
 
 def noise_generator(seed: int, device: str, ctx_device: torch.device) -> torch.Generator:
@@ -176,16 +187,18 @@ def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) ->
     xa = torch.randn((1, t_audio, parts.audio_decoder.latent_channels), generator=gen,
                      device=dev)
     return Noise(seed, xv[0].permute(1, 2, 3, 0).contiguous().to(ctx.device),
-                 xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate))
+                 xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate), gen)
 
 
 def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
-             texts: list[torch.Tensor], tau: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+             texts: list[torch.Tensor], tau: float, cond: ImageCondition | None = None,
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(cond video, cond audio), (uncond video, uncond audio)] at model time ``tau``:
     both branches packed in one forward (CFG1), or this rank's branch and one all-gather of
-    the predictions over the CFG group (CFG2)."""
+    the predictions over the CFG group (CFG2). ``cond``: the image rows both branches carry."""
     mine = [0, 1] if ctx.topology.cfg == 1 else [ctx.coords.cfg]
-    preds = parts.denoiser([BranchInput(xv, xa, texts[b], tau, tau) for b in mine])
+    extra = cond.branch_fields() if cond is not None else {}
+    preds = parts.denoiser([BranchInput(xv, xa, texts[b], tau, tau, **extra) for b in mine])
     if ctx.topology.cfg == 1:
         return preds
     flat = torch.cat([preds[0][0].reshape(-1), preds[0][1].reshape(-1)])
@@ -198,9 +211,11 @@ def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torc
 def denoise(
     ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise,
     texts: list[torch.Tensor], on_step: Callable[[int, int], None] | None = None,
+    cond: ImageCondition | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Step 2: the sampler loop; returns the final video and audio latents and the step
-    times (s). Every rank combines the same predictions with the same arithmetic."""
+    times (s). Every rank combines the same predictions with the same arithmetic. ``cond``:
+    image-to-video's image rows (`headmoe.pipeline.i2v.image_condition`)."""
     req = job.request
     schedule = released_schedule(req.num_inference_steps, req.shift)
     samp_v, samp_a = make_sampler(req.sampler, schedule), make_sampler(req.sampler, schedule)
@@ -210,7 +225,7 @@ def denoise(
     for i in range(req.num_inference_steps):
         t0 = time.perf_counter()
         note_step(i)
-        preds = _predict(ctx, parts, xv, xa, texts, schedule.model_time(i))
+        preds = _predict(ctx, parts, xv, xa, texts, schedule.model_time(i), cond)
         check_step(i, req.num_inference_steps, preds, schedule.sigma(i))  # same on every rank
         (vc, ac), (vu, au) = preds
         xv = samp_v.step(i, xv, cfg_combine(vc, vu, req.guidance_scale))
@@ -223,12 +238,39 @@ def denoise(
     return xv, xa, step_times
 
 
+def refine(
+    ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise, xv: torch.Tensor,
+    texts: list[torch.Tensor], on_step: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, list[float]]:
+    """Step 2b (1080p): the refiner stage on the preview's final video latent; returns the
+    refined latent ``[2T - 1, H', W', C]`` and the step times. ``on_step`` sees the steps
+    of both stages counted together."""
+    stage, n = job.refiner, job.request.num_inference_steps
+    total = n + stage.steps
+    step = None if on_step is None else (lambda done, _: on_step(n + done, total))
+    with parts.refiner.active() as model:
+        return refine_stage(ctx, model, xv, texts, noise.generator, stage.height, stage.width,
+                            stage.steps, step)
+
+
+def refiner_record(stage: Any, latent: torch.Tensor, infos: list[dict[str, Any]], dp: int
+                   ) -> dict[str, Any]:
+    """The sidecar's ``refiner`` object: the stage's fields, its latent shape and every
+    rank's refiner step times."""
+    per_rank = {str(x["rank"]): x["refine_step_times_s"] for x in infos if x["dp"] == dp}
+    return {**stage.to_dict(), "latent": list(latent.shape),
+            "step_times_s": {"per_rank": per_rank,
+                             "max": [max(ts) for ts in zip(*per_rank.values())]}}
+
+
 def _gather_infos(ctx: ParallelContext, step_times: list[float],
-                  text_runs: int | None) -> list[dict[str, Any]]:  # fmt: skip
-    """Every rank's step times, counters and text-encoder runs (None: the encoder does not
-    count them) in one all-gather of small host objects."""
+                  refine_times: list[float] | None = None,
+                  text_runs: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every rank's step times (preview and refiner), counters and text-encoder runs (None:
+    the encoder does not count them), in one all-gather of small host objects."""
     mine = {"rank": ctx.rank, "dp": ctx.coords.dp, "step_times_s": step_times,
-            "counters": ctx.counters.summary(), "text_encoder_runs": text_runs}
+            "refine_step_times_s": refine_times, "counters": ctx.counters.summary(),
+            "text_encoder_runs": text_runs}
     if ctx.world_size == 1:
         return [mine]
     infos: list[Any] = [None] * ctx.world_size
@@ -237,11 +279,12 @@ def _gather_infos(ctx: ParallelContext, step_times: list[float],
 
 
 def decode(parts: Components, req: GenerateRequest, xv: torch.Tensor, xa: torch.Tensor,
-           num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 3 (the writer rank): uint8 frames ``[F, H, W, 3]`` and int16 audio
-    ``[channels, samples]``, with the numerical-health checks around the decoders."""
+           num_samples: int, num_frames: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3 (the writer rank): uint8 frames ``[F, H, W, 3]`` (F = ``num_frames``, default
+    the request's) and int16 audio ``[channels, samples]``, with the numerical-health checks
+    around the decoders."""
     check_media("before decoding", **{"video latents": xv, "audio latents": xa})
-    frames = parts.video_decoder.decode(xv.float().cpu(), req.num_frames)
+    frames = parts.video_decoder.decode(xv.float().cpu(), num_frames or req.num_frames)
     wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)
     check_media("after decoding", **{"audio waveform": wave})
     return frames, quantize_audio(wave)
@@ -262,16 +305,24 @@ def run_request(
     t_start = time.perf_counter() if t_start is None else t_start
     req, coords = job.request, ctx.coords
     noise = draw_noise(ctx, req, parts)
-    prompts = (req.prompt, req.negative_prompt)
+    prompt = req.prompt if job.image is None else ensure_figure_token(req.prompt)
+    prompts = (prompt, req.negative_prompt)
     texts, text_counts = encode_prompts(parts.text_encoder, prompts, ctx.device)
     text_info = text_report(parts.text_encoder, prompts, texts, text_counts)
-    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step)
-    infos = _gather_infos(ctx, step_times, getattr(parts.text_encoder, "runs", None))
+    cond = None if job.image is None else image_condition(
+        parts, job.image, prompt, texts[0], req.torch_dtype)
+    xv, xa, step_times = denoise(ctx, job, parts, noise, texts, on_step, cond)
+    refine_times, num_frames, fps = None, req.num_frames, req.fps
+    if job.refiner is not None:
+        xv, refine_times = refine(ctx, job, parts, noise, xv, texts, on_step)
+        num_frames, fps = frame_count(xv.shape[0]), req.fps * REFINER_FPS_FACTOR
+    infos = _gather_infos(ctx, step_times, refine_times,
+                          getattr(parts.text_encoder, "runs", None))
     result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
               "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
     if (coords.sp, coords.cfg) != (0, 0):
         return result
-    frames, audio = decode(parts, req, xv, xa, noise.num_samples)
+    frames, audio = decode(parts, req, xv, xa, noise.num_samples, num_frames)
     warn_truncated(text_info)
     result["video_sha256"], result["audio_sha256"] = tensor_sha256(frames), tensor_sha256(audio)
     if job.output is None:
@@ -281,7 +332,10 @@ def run_request(
         "prompt": text_counts[0], "negative_prompt": text_counts[1],
         "max_tokens": getattr(parts.text_encoder, "max_tokens", None)}}
     side = _sidecar(ctx, job, parts, noise, frames, audio, infos, text, result)
-    write_outputs(out, side, frames, audio, req.fps, parts.audio_decoder.sample_rate, t_start)
+    if job.refiner is not None:
+        side["refiner"] = refiner_record(job.refiner, xv, infos, coords.dp)
+        side["media"]["fps"] = fps
+    write_outputs(out, side, frames, audio, fps, parts.audio_decoder.sample_rate, t_start)
     result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
     return result
 
@@ -307,6 +361,8 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
                    "offload_layers": job.offload_layers, "resident_layers": job.resident_layers,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
+        "image": None if job.image is None else {
+            **job.image.describe(), "prompt": ensure_figure_token(req.prompt)},
         "media": {"frames": list(frames.shape), "fps": req.fps,
                   "audio_samples": list(audio.shape),
                   "sample_rate": parts.audio_decoder.sample_rate},

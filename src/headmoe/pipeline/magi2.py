@@ -27,6 +27,7 @@ from headmoe.models.magi2 import (
     write_random_checkpoint,
 )
 from headmoe.models.magi2.loading import stream_layers
+from headmoe.models.refiner import Magi2Refiner, load_refiner
 from headmoe.pipeline import placement
 from headmoe.pipeline.encoders import (
     ByteTextEncoder,
@@ -35,6 +36,7 @@ from headmoe.pipeline.encoders import (
     TinyVideoDecoder,
 )
 from headmoe.pipeline.health import watch_layers
+from headmoe.pipeline.refine import Refiner
 
 if TYPE_CHECKING:
     from headmoe.pipeline.job import GenerateJob
@@ -60,8 +62,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
     the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
-    each node's first rank, decoders on the output rank) or the stand-in text encoder and
-    decoders sized to the model's channels."""
+    each node's first rank, decoders on the output rank, image encoder on rank 0) or the
+    stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
@@ -82,6 +84,9 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
             placement.node_text_encoder(ctx, job.release, timeout),
             placement.output_video_decoder(ctx, job.release),
             placement.output_audio_decoder(ctx, job.release),
+            image_encoder=placement.world_image_encoder(ctx, job.release),
+            refiner=refiner_component(ctx, job, None if job.offload_layers else model)
+            if job.refiner is not None else None,
         )
     return Components(
         Magi2Denoiser(model),
@@ -89,6 +94,23 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
         TinyVideoDecoder(cfg.video_in_channels),
         TinyAudioDecoder(cfg.audio_in_channels),
     )
+
+
+def refiner_component(ctx: ParallelContext, job: GenerateJob, preview: Any) -> Refiner:
+    """The release's refiner (``refiner/``) on ``ctx``'s SP groups, in the request's dtype,
+    loaded on the device, or on the host with ``--offload`` (`Refiner` moves it to the
+    device for the stage and ``preview``, the resident preview transformer or None when its
+    layers stream, to the host meanwhile)."""
+    release = job.release
+    if release.refiner is None:
+        raise ValueError(f"refiner_height / refiner_width need a release folder with "
+                         f"refiner/, and {release.root!r} has none")
+    device = placement.load_device(ctx.device, release.offload)
+    with torch.device(device):
+        model = Magi2Refiner(release.refiner_config, ctx, dtype=job.request.torch_dtype)
+    load_refiner(model, release.refiner)
+    model.eval()
+    return Refiner(model, preview, ctx.device, release.offload)
 
 
 def resolve_model(

@@ -7,6 +7,10 @@
   ranks fail at once instead of waiting), then the features ``[L, C]`` as float32 (exact for
   the bf16 the release computes in). No Python object is pickled. Every broadcast is bounded
   by the job's timeout (the process groups are created with it).
+- **Image encoder** (`world_image_encoder`, image-to-video): the Wan2.2 VAE's encoder half,
+  fp32, loaded on global rank 0 (`IMAGE_RANK`) only; it encodes the request's reference
+  image once and broadcasts the latent ``[h, w, 48]`` to every rank of the world (the same
+  header-then-tensor protocol, `broadcast_result`).
 - **Decoders** (`output_video_decoder`, `output_audio_decoder`): loaded on the output ranks
   only (each DP group's writer: SP, CFG and TP coordinates 0) and run there after the loop;
   the other ranks hold only the geometry (latent shapes and lengths).
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -105,47 +109,72 @@ class NodeTextEncoder:
         """``[L, out_channels]`` float32 on the CPU, the same on every rank of the node."""
         return self.encode_with_report(text)[0]
 
-    def _run(self, text: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """On ``src``: (header int64 [4], features [L, C] float32)."""
+    def _run(self, text: str) -> tuple[list[int], torch.Tensor]:
+        """On ``src``: ([L, C, tokens], features [L, C] float32)."""
         with self.placed.use():
             res = self.encoder.encode_batch([text])
         self.runs += 1
         kept, count = res.lengths[0], res.token_counts[0]
         feats = res.features[0, :kept].float()
-        return torch.tensor([OK, kept, feats.shape[1], count], dtype=torch.int64), feats
+        return [kept, feats.shape[1], count], feats
 
     def encode_with_report(self, text: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """Features as `encode` and ``{"tokens", "kept", "truncated"}`` (tokens before
         truncation at the encoder's ``max_tokens``)."""
-        header = feats = None
-        if self.encoder is not None:
-            try:
-                header, feats = self._run(text)
-            except BaseException:
-                if self.size > 1:  # release the waiting ranks before failing here
-                    failed = torch.tensor([FAILED, 0, 0, 0], dtype=torch.int64)
-                    dist.broadcast(failed.to(self.device), src=self.src, group=self.group)
-                raise
-        if self.size > 1:
-            header, feats = self._broadcast(header, feats)
-        _, kept, _, count = (int(v) for v in header.tolist())
-        return feats, {"tokens": count, "kept": kept, "truncated": count > kept}
-
-    def _broadcast(self, header: torch.Tensor | None,
-                   feats: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        h = header.to(self.device) if header is not None else torch.empty(
-            4, dtype=torch.int64, device=self.device)
-        dist.broadcast(h, src=self.src, group=self.group)
-        status, kept, width, _ = (int(v) for v in h.tolist())
-        if status != OK:
-            raise RuntimeError(f"the text encoder failed on rank {self.src} (see its error)")
+        produce = (lambda: self._run(text)) if self.encoder is not None else None
+        (kept, width, count), feats = broadcast_result(
+            produce, self.src, self.group, self.size, self.device, 3,
+            lambda h: (h[0], h[1]), torch.float32, "the text encoder")
         if width != self.out_channels:
             raise RuntimeError(f"text features from rank {self.src} are {width} wide, "
                                f"expected {self.out_channels}")
-        buf = feats.to(self.device) if feats is not None else torch.empty(
-            (kept, width), dtype=torch.float32, device=self.device)
-        dist.broadcast(buf, src=self.src, group=self.group)
-        return h.cpu(), buf.cpu()
+        return feats, {"tokens": count, "kept": kept, "truncated": count > kept}
+
+    def figure_indices(self, text: str) -> list[int]:
+        """Token indices of the ``<Figure 1>`` marker in ``text`` as the encoder tokenizes it
+        (`Qwen35TextEncoder.figure_indices`), the same on every rank of the node."""
+        def produce() -> tuple[list[int], torch.Tensor]:
+            idx = self.encoder.figure_indices(text)
+            return [len(idx)], torch.tensor(idx, dtype=torch.int64)
+
+        _, idx = broadcast_result(produce if self.encoder is not None else None, self.src,
+                                  self.group, self.size, self.device, 1, lambda h: (h[0],),
+                                  torch.int64, "the text encoder's tokenizer")
+        return idx.tolist()
+
+
+def broadcast_result(
+    produce: Callable[[], tuple[list[int], torch.Tensor]] | None, src: int, group: Any,
+    size: int, device: torch.device, header_len: int,
+    shape: Callable[[list[int]], tuple[int, ...]], dtype: torch.dtype, what: str,
+) -> tuple[list[int], torch.Tensor]:
+    """``produce()`` (``header_len`` ints and a ``dtype`` tensor) computed on rank ``src``,
+    where ``produce`` is given (None elsewhere), on every one of the ``size`` ranks of
+    ``group``: first an int64 header ``[status, *ints]`` (status `FAILED` when ``produce``
+    raised there, so the others fail at once instead of waiting), then the tensor, whose
+    shape the receivers take from ``shape(ints)``. Returns the ints and the tensor (CPU)."""
+    ints = payload = None
+    if produce is not None:
+        try:
+            ints, payload = produce()
+        except BaseException:
+            if size > 1:  # release the waiting ranks before failing here
+                failed = torch.tensor([FAILED] + [0] * header_len, dtype=torch.int64)
+                dist.broadcast(failed.to(device), src=src, group=group)
+            raise
+    if size == 1:
+        return ints, payload.cpu()
+    h = (torch.tensor([OK, *ints], dtype=torch.int64) if ints is not None
+         else torch.empty(header_len + 1, dtype=torch.int64)).to(device)
+    dist.broadcast(h, src=src, group=group)
+    status, *ints = (int(v) for v in h.tolist())
+    if status != OK:
+        raise RuntimeError(f"{what} failed on rank {src} (see its error)")
+    buf = payload.to(device) if payload is not None else torch.empty(
+        shape(ints), dtype=dtype, device=device)
+    if buf.numel():
+        dist.broadcast(buf, src=src, group=group)
+    return ints, buf.cpu()
 
 
 def node_of(ctx: ParallelContext, node_size: int | None = None) -> tuple[int, int]:
@@ -195,6 +224,56 @@ def node_text_encoder(ctx: ParallelContext, release: Any, timeout: timedelta,
             device=load_device(ctx.device, release.offload))
     return NodeTextEncoder(encoder, release.model_config.text_in_channels, src, group, size,
                            ctx.device, release.offload)
+
+
+# ---------------------------------------------------------------------- image
+#: the rank that encodes an I2V reference image: global rank 0 (DP group 0's output rank)
+IMAGE_RANK = 0
+
+
+class WorldImageEncoder:
+    """`headmoe.pipeline.encoders.ImageEncoder` whose Wan2.2 encoder (fp32,
+    `wan_vae.WanImageEncoder`) is loaded on `IMAGE_RANK` only and runs there once per request;
+    every rank of the world receives the latent by broadcast (`broadcast_result`: header
+    ``[status, h, w]``, then ``[h, w, 48]`` float32). Only `IMAGE_RANK` needs the image's
+    pixels; the others check the latent size against the image's description."""
+
+    def __init__(self, encoder: Any, size: int, device: torch.device, offload: bool):
+        self.encoder, self.size, self.device = encoder, size, device
+        self.placed = Placed(encoder.vae, device, offload) if encoder is not None else None
+
+    def encode(self, image: Any) -> torch.Tensor:
+        """``image`` (a `headmoe.pipeline.image.ReferenceImage`) -> its normalised latent
+        ``[h, w, 48]`` float32 on the CPU, the same on every rank."""
+        def produce() -> tuple[list[int], torch.Tensor]:
+            with self.placed.use():
+                z = self.encoder.encode(image.vae_input())  # [1, 48, 1, h, w]
+            latent = z[0, :, 0].permute(1, 2, 0).contiguous()
+            return list(latent.shape[:2]), latent
+
+        (h, w), latent = broadcast_result(
+            produce if self.encoder is not None else None, IMAGE_RANK, None, self.size,
+            self.device, 2, lambda hw: (*hw, video_latents.LATENT_CHANNELS), torch.float32,
+            "the image encoder")
+        if (h, w) != tuple(image.latent_size):
+            raise RuntimeError(f"the image latent from rank {IMAGE_RANK} is {h}x{w}, expected "
+                               f"{image.latent_size[0]}x{image.latent_size[1]}")
+        return latent
+
+
+def world_image_encoder(ctx: ParallelContext, release: Any) -> WorldImageEncoder | None:
+    """The release's image encoder (``release.image_encoder``; None when it has none),
+    loaded on `IMAGE_RANK` only (on the device, or the host with ``offload``)."""
+    if release.image_encoder is None:
+        return None
+    encoder = None
+    if ctx.rank == IMAGE_RANK:
+        from headmoe.pipeline import wan_vae
+
+        encoder = wan_vae.WanImageEncoder(wan_vae.load_wan_encoder(
+            release.image_encoder, dtype=torch.float32,
+            device=load_device(ctx.device, release.offload)))
+    return WorldImageEncoder(encoder, ctx.world_size, ctx.device, release.offload)
 
 
 # ---------------------------------------------------------------------- decoders

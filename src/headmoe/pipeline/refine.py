@@ -15,17 +15,19 @@ never sees the time. The audio is the preview's.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from headmoe.config import check_positive_int
+from headmoe.config import check_positive_int, is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
-from headmoe.pipeline.sampler import UniPCSampler, cfg_combine, flow_sigmas
+from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
 
 #: the refiner's released evaluation fields (REFINER.md section 2)
 REFINER_STEPS = 5
@@ -36,6 +38,9 @@ REFINER_NOISE_INDEX = 220
 #: frame interval (the refined clip has 2T - 1 latent frames at twice the preview's fps)
 REFINER_SPATIAL_STRIDE = 16
 REFINER_FPS_FACTOR = 2
+#: limits of a request's refiner size (pixels) and steps
+MAX_REFINER_SIDE = 4096
+MAX_REFINER_STEPS = 1000
 
 
 def zero_snr_table(steps: int = 1000) -> torch.Tensor:
@@ -76,9 +81,15 @@ def renoise(upsampled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return upsampled * s + noise * (1 - s**2) ** 0.5
 
 
+def refiner_schedule(steps: int = REFINER_STEPS) -> Schedule:
+    """The refiner's schedule: the released one with `steps` steps at shift 5 (timesteps
+    999, 952, 882, 768, 555 for 5 steps)."""
+    return released_schedule(steps, REFINER_SHIFT)
+
+
 def refiner_sampler(steps: int = REFINER_STEPS) -> UniPCSampler:
-    """A fresh flow-UniPC sampler over the refiner's schedule (`steps` at shift 5)."""
-    return UniPCSampler(flow_sigmas(steps, REFINER_SHIFT))
+    """A fresh released flow-UniPC sampler over `refiner_schedule`."""
+    return UniPCSampler(refiner_schedule(steps))
 
 
 #: `predict(x)` -> (v_cond, v_uncond): the two refiner forwards of one step, fp32, x's shape
@@ -102,6 +113,61 @@ def refine_latent(
         if on_step is not None:
             on_step(i + 1, steps)
     return x, times
+
+
+@dataclass(frozen=True)
+class RefinerStage:
+    """The refiner stage of a request: the refined clip's size in pixels (multiples of 16;
+    1088 x 1920 at 1080p) and its sampler steps. Refusals name the request field."""
+
+    height: int = 1088
+    width: int = 1920
+    steps: int = REFINER_STEPS
+
+    def __post_init__(self) -> None:
+        for name in ("height", "width"):
+            v = getattr(self, name)
+            if not is_int(v) or v < REFINER_SPATIAL_STRIDE or v % REFINER_SPATIAL_STRIDE \
+                    or v > MAX_REFINER_SIDE:
+                raise ValueError(f"refiner_{name}={v!r} must be a multiple of "
+                                 f"{REFINER_SPATIAL_STRIDE} in [{REFINER_SPATIAL_STRIDE}, "
+                                 f"{MAX_REFINER_SIDE}]")
+        if not is_int(self.steps) or not 1 <= self.steps <= MAX_REFINER_STEPS:
+            raise ValueError(f"refiner_steps={self.steps!r} must be an integer in "
+                             f"[1, {MAX_REFINER_STEPS}]")
+
+    def latent_thw(self, preview_frames: int) -> tuple[int, int, int]:
+        return refiner_latent_thw(preview_frames, self.height, self.width)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"refiner_height": self.height, "refiner_width": self.width,
+                "refiner_steps": self.steps}
+
+
+class Refiner:
+    """The refiner model of a job on one rank and where its weights live: on the device,
+    or (``offload`` on a GPU) on the host except while `active` runs the stage, which moves
+    the preview transformer (``idle``, None: nothing to move) to the host for that time."""
+
+    def __init__(self, model: Magi2Refiner, idle: torch.nn.Module | None,
+                 device: torch.device, offload: bool):
+        self.model, self.idle, self.device = model, idle, device
+        self.offload = offload and device.type != "cpu"
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Magi2Refiner]:
+        moves = self.offload and self.idle is not None
+        if self.offload:
+            if moves:
+                self.idle.to("cpu")
+            self.model.to(self.device)
+        try:
+            yield self.model
+        finally:
+            if self.offload:
+                self.model.to("cpu")
+                if moves:
+                    self.idle.to(self.device)
 
 
 def refiner_predict(ctx: ParallelContext, model: Magi2Refiner, texts: list[torch.Tensor]
@@ -128,15 +194,16 @@ def refine_stage(
 ) -> tuple[torch.Tensor, list[float]]:
     """The refiner stage on one rank: the preview's final video latent `[T, H, W, C]` ->
     the refined latent `[2T - 1, height // 16, width // 16, C]` fp32 on its device, and the
-    step times. The noise `[C, 2T - 1, H', W']` is the next draw of `generator` (the
-    request's, after the preview's noise), on the host; texts: prompt and negative-prompt
+    step times. The noise `[1, C, 2T - 1, H', W']` is the next draw of `generator` (the
+    request's, after the preview's noise, on its device); texts: prompt and negative-prompt
     features `[L, C_t]`. Identical inputs on every rank give identical bits."""
     thw = refiner_latent_thw(preview.shape[0], height, width)
     if min(thw) < 1:
         raise ValueError(f"refiner latent {thw} for refiner size {height}x{width} is empty; "
                          f"refiner height and width must be at least {REFINER_SPATIAL_STRIDE}")
     up = upsample_preview(preview.permute(3, 0, 1, 2), thw)
-    noise = torch.randn(tuple(up.shape), generator=generator).to(up.device)
+    noise = torch.randn((1, *up.shape), generator=generator, device=generator.device)
+    noise = noise[0].to(up.device)
     x = renoise(up, noise)
     x, times = refine_latent(refiner_predict(ctx, model, texts), x, refiner_sampler(steps),
                              steps, REFINER_GUIDANCE, on_step)

@@ -11,7 +11,9 @@ Layout (paths relative to the folder; docs/pipeline.md section 7)::
     turbo_vae/TurboV3-Wan22-TinyShallow_7_7.json, checkpoint.ckpt   (--video-decoder turbo)
     vae/Wan2.2_VAE.pth                                            (--video-decoder wan2.2)
     stable-audio-open-1.0/model_config.json, model.safetensors
-    refiner/                                 not used
+    refiner/[config.json,] <name>.safetensors.index.json (+ shards) or <name>.safetensors
+                                             the 1080p refiner (optional; config.json absent:
+                                             the released `magi2-refiner` configuration)
 
 `find_release` checks that every file the run needs exists and is readable (all missing
 ones named in one line); `check_release` then checks every header against the configs with
@@ -36,6 +38,9 @@ from headmoe.files import entry_problem
 
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
+REFINER_DIR = "refiner"
+#: the refiner configuration of a release folder whose refiner/ has no config.json
+IMPLIED_REFINER_CONFIG = "magi2-refiner"
 MODEL_CONFIG = "config.json"
 VIDEO_DECODERS: tuple[str, ...] = ("turbo", "wan2.2")
 #: folder of each video decoder
@@ -60,6 +65,12 @@ class Release:
     video_decoder_path: str
     audio_decoder: str
     offload: bool = False
+    image_encoder: str | None = None
+    """The ``vae/`` folder whose Wan2.2 encoder encodes I2V images (None: no image input)."""
+    refiner: str | None = None
+    """The refiner checkpoint under ``refiner/`` (None: the folder has no refiner)."""
+    refiner_config: Any = None
+    """Its `Magi2RefinerConfig`."""
 
     def describe(self) -> dict[str, Any]:
         """What the sidecar records about the folder."""
@@ -70,6 +81,8 @@ class Release:
             "text_encoder": self.text_encoder,
             "audio_decoder": self.audio_decoder,
             "offload": self.offload,
+            "image_encoder": self.image_encoder,
+            "refiner": self.refiner,
         }
 
 
@@ -78,14 +91,15 @@ def is_release_folder(path: str | os.PathLike) -> bool:
     return Path(path).expanduser().is_dir()
 
 
-def _transformer_file(root: Path) -> str | None:
-    """The transformer under preview/: its one ``*.safetensors.index.json``, else its one
-    ``*.safetensors`` file, else None. Several indexes are refused."""
-    folder = root / PREVIEW_DIR
+def _transformer_file(root: Path, folder_name: str = PREVIEW_DIR) -> str | None:
+    """The checkpoint under ``folder_name``/ (preview/ or refiner/): its one
+    ``*.safetensors.index.json``, else its one ``*.safetensors`` file, else None. Several
+    indexes are refused."""
+    folder = root / folder_name
     indexes = sorted(folder.glob(f"*{INDEX_SUFFIX}"))
     if len(indexes) > 1:
         names = ", ".join(p.name for p in indexes)
-        raise ValueError(f"release folder {str(root)!r}: {PREVIEW_DIR}/ holds several indexes "
+        raise ValueError(f"release folder {str(root)!r}: {folder_name}/ holds several indexes "
                          f"({names}); keep one")
     if indexes:
         return str(indexes[0])
@@ -122,19 +136,42 @@ def _unreadable(path: Path) -> str | None:
     return None
 
 
+def find_refiner(base: Path) -> tuple[str | None, Any]:
+    """(checkpoint, `Magi2RefinerConfig`) of ``base/refiner/``, or (None, None) when the
+    folder has no refiner checkpoint. The config is ``refiner/config.json`` when present,
+    else the `IMPLIED_REFINER_CONFIG` preset."""
+    from headmoe.models.refiner import Magi2RefinerConfig, get_refiner_config
+
+    if not (base / REFINER_DIR).is_dir():
+        return None, None
+    checkpoint = _transformer_file(base, REFINER_DIR)
+    if checkpoint is None:
+        return None, None
+    cfg_file = base / REFINER_DIR / MODEL_CONFIG
+    if cfg_file.is_file():
+        return checkpoint, Magi2RefinerConfig.from_json(cfg_file)
+    return checkpoint, get_refiner_config(IMPLIED_REFINER_CONFIG)
+
+
 def find_release(
-    root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False
+    root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False,
+    image_encoder: bool | None = False,
 ) -> Release:
     """The `Release` of folder ``root``: every file `required_files` lists, the transformer
     under ``preview/`` and the text encoder's weights must exist and be readable; all that
     do not are named (relative to ``root``) in one `ValueError`. ``preview/config.json`` is
-    parsed (`Magi2Config.from_json`); headers are checked by `check_release`."""
+    parsed (`Magi2Config.from_json`); headers are checked by `check_release`.
+    ``image_encoder``: True requires ``vae/Wan2.2_VAE.pth`` (image-to-video), None uses it
+    when present (a server), False leaves it out."""
     from headmoe.models.magi2 import Magi2Config
 
     base = Path(root).expanduser()
     if not base.is_dir():
         raise ValueError(f"model={str(root)!r} is not a release folder")
     files = required_files(video_decoder)
+    vae = f"{WAN_DIR}/{_wan_file()}"
+    if image_encoder and vae not in files:
+        files.append(vae)
     transformer = _transformer_file(base)
     index = base / TEXT_ENCODER_DIR / f"model{INDEX_SUFFIX}"  # else the single file
     files.append(f"{TEXT_ENCODER_DIR}/" + (index.name if index.exists() else "model.safetensors"))
@@ -147,6 +184,7 @@ def find_release(
     if problems:
         raise ValueError(f"release folder {str(base)!r}: " + ", ".join(problems))
     cfg = Magi2Config.from_json(base / PREVIEW_DIR / MODEL_CONFIG)
+    refiner, refiner_config = find_refiner(base)
     return Release(
         root=str(base),
         transformer=str(transformer),
@@ -156,7 +194,17 @@ def find_release(
         video_decoder_path=str(base / VIDEO_DECODER_DIRS[video_decoder]),
         audio_decoder=str(base / AUDIO_DIR),
         offload=offload,
+        image_encoder=str(base / WAN_DIR) if image_encoder or (
+            image_encoder is None and (base / vae).is_file()) else None,
+        refiner=refiner,
+        refiner_config=refiner_config,
     )
+
+
+def _wan_file() -> str:
+    from headmoe.pipeline import wan_vae
+
+    return wan_vae.CHECKPOINT_FILE
 
 
 def _component(name: str, fn: Any, *args: Any) -> Any:
@@ -174,8 +222,9 @@ def check_release(release: Release) -> None:
     """Check every header of ``release`` against the configs, reading no weight: the text
     encoder (`check_text_encoder`; its width must be ``text_in_channels``), the chosen video
     decoder (`check_turbo_vae` / `check_wan_vae`; 48 latent channels =
-    ``video_in_channels``), the audio decoder (`check_oobleck_decoder`; ``latent_dim`` =
-    ``audio_in_channels``), then the transformer (`check_checkpoint`). Raises a one-line
+    ``video_in_channels``), the image encoder's ``vae/`` when it is used, the audio decoder
+    (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``), then the transformer
+    (`check_checkpoint`). Raises a one-line
     `ValueError` naming the file or tensor."""
     from headmoe.models.magi2 import check_checkpoint
     from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
@@ -193,6 +242,8 @@ def check_release(release: Release) -> None:
         _component(release.video_decoder_path, wan_vae.check_wan_vae, release.video_decoder_path)
         pairs.append((f"{WAN_DIR}/{wan_vae.CHECKPOINT_FILE} z_dim", video_latents.LATENT_CHANNELS,
                       "video_in_channels", cfg.video_in_channels))
+    if release.image_encoder is not None and release.video_decoder != "wan2.2":
+        _component(release.image_encoder, wan_vae.check_wan_vae, release.image_encoder)
     acfg = _component(release.audio_decoder, audio_vae.check_oobleck_decoder,
                       release.audio_decoder)
     pairs.append((f"{AUDIO_DIR}/{audio_vae.CONFIG_FILE} latent_dim", acfg.latent_dim,
@@ -202,6 +253,22 @@ def check_release(release: Release) -> None:
             raise ValueError(f"release folder {str(root)!r}: {what}={value} does not match "
                              f"{PREVIEW_DIR}/{MODEL_CONFIG} {field}={want}")
     _component(release.transformer, check_checkpoint, cfg, release.transformer)
+    if release.refiner is not None:
+        check_refiner(release)
+
+
+def check_refiner(release: Release) -> None:
+    """The refiner's headers (`check_refiner_checkpoint`) and its widths against the
+    preview's (the same latents and text features). One-line `ValueError`."""
+    from headmoe.models.refiner import check_refiner_checkpoint
+
+    cfg, rcfg = release.model_config, release.refiner_config
+    for field in ("video_in_channels", "text_in_channels"):
+        if getattr(rcfg, field) != getattr(cfg, field):
+            raise ValueError(f"release folder {release.root!r}: {REFINER_DIR}/ {field}="
+                             f"{getattr(rcfg, field)} does not match {PREVIEW_DIR}/"
+                             f"{MODEL_CONFIG} {field}={getattr(cfg, field)}")
+    _component(release.refiner, check_refiner_checkpoint, rcfg, release.refiner)
 
 
 # ---------------------------------------------------------------------- public schema
@@ -240,6 +307,7 @@ TINY_SPEC: dict[str, Any] = {
     "turbo_vae": {"seed": 1002, "widths": [8, 16, 24, 32]},
     "vae": {"seed": 1004, "base_dim": 6, "decoder_base_dim": 8},
     "audio": {"seed": 1003, "channels": 8},
+    "refiner": {"preset": "tiny-refiner", "seed": 1005},
 }
 TRANSFORMER_INDEX = f"model{INDEX_SUFFIX}"
 
@@ -252,12 +320,16 @@ def tiny_release_name() -> str:
     import torch
 
     from headmoe.models.magi2 import checkpoint_spec, get_config
+    from headmoe.models.refiner import get_refiner_config, refiner_spec
 
     cfg = get_config("tiny")
     spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
+    rcfg = get_refiner_config(TINY_SPEC["refiner"]["preset"])
+    rspec = {k: [list(s), str(d)] for k, (s, d) in refiner_spec(rcfg).items()}
     versions = [torch.__version__, *(version(n) for n in ("transformers", "tokenizers",
                                                           "diffusers"))]
-    key = json.dumps([TINY_SPEC, cfg.to_dict(), spec, versions], default=list, sort_keys=True)
+    key = json.dumps([TINY_SPEC, cfg.to_dict(), spec, rcfg.to_dict(), rspec, versions],
+                     default=list, sort_keys=True)
     return f"tiny-release-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -291,6 +363,18 @@ def write_tiny_release(folder: str | os.PathLike) -> None:
                                decoder_base_dim=w["decoder_base_dim"])
     a = spec["audio"]
     audio_vae.build_tiny_audio_vae(base / AUDIO_DIR, seed=a["seed"], channels=a["channels"])
+    _write_tiny_refiner(base / REFINER_DIR, spec["refiner"])
+
+
+def _write_tiny_refiner(folder: Path, spec: dict[str, Any]) -> None:
+    """refiner/config.json (our schema) and refiner/model.safetensors (random weights)."""
+    from headmoe.models.refiner import get_refiner_config, write_random_refiner
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = get_refiner_config(spec["preset"])
+    with open(folder / MODEL_CONFIG, "w") as f:
+        json.dump({k: v for k, v in cfg.to_dict().items() if k != "name"}, f, indent=1)
+    write_random_refiner(cfg, folder / "model.safetensors", seed=spec["seed"])
 
 
 def tiny_release(cache_dir: str | os.PathLike, *, write: bool = True) -> Path:

@@ -240,6 +240,16 @@ class Qwen35TextEncoder:
         ids = ids[: self.max_tokens] or [self.tokenizer.pad_token_id]
         return ids, count
 
+    def figure_indices(self, text: str) -> list[int]:
+        """Indices of the tokens that spell the ``<Figure 1>`` marker in ``text`` as
+        `tokenize` reads it (`i2v.figure_token_indices` over the tokenizer's character
+        offsets into ``normalize_prompt(text)``), less any that truncation drops."""
+        from headmoe.pipeline.i2v import figure_token_indices
+
+        seen = normalize_prompt(text)
+        offsets = self.tokenizer(seen, return_offsets_mapping=True)["offset_mapping"]
+        return [i for i in figure_token_indices(seen, offsets) if i < self.max_tokens]
+
     @torch.no_grad()
     def encode_batch(self, texts: list[str]) -> TextFeatures:
         """Right-padded batch through the first ``L - 2`` layers: ``hidden_states[-3]``."""

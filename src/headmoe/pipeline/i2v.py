@@ -1,5 +1,6 @@
-"""The ``<Figure 1>`` marker of image-to-video prompts and its pooled embedding (MAGI2.md
-9.1 and 9.3; golden ``magi2_pipeline`` ``prompts.json`` / ``pool_figure_tokens``).
+"""Image-to-video conditioning: the ``<Figure 1>`` marker of the prompt, its pooled embedding
+and the encoded image (MAGI2.md 9.1, 9.3, 9.4; golden ``magi2_pipeline`` ``prompts.json`` /
+``pool_figure_tokens``; the packing itself is `headmoe.models.magi2.packing`'s).
 
 - `ensure_figure_token`: SandAI's rule (the model authors' inference code; vLLM-Omni adds a
   newline, which headmoe does not): a prompt that parses as a JSON **object** gets
@@ -11,12 +12,16 @@
   token are skipped.
 - `pool_figure_token`: the mean of those feature rows (zeros when there are none, e.g. when
   truncation cut the marker off), computed in the text features' dtype as the release does.
+- `image_condition`: the image's latent (`ImageEncoder`, once per request on one rank) and
+  the pooled token, which both CFG branches carry (`ImageCondition`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,3 +72,31 @@ def pool_figure_token(
         return features.new_zeros(features.shape[-1], dtype=torch.float32)
     rows = features.to(dtype)[list(indices)]
     return rows.mean(dim=0).float()
+
+
+@dataclass(frozen=True)
+class ImageCondition:
+    """What the image adds to both CFG branches: the clean latent ``[h, w, C_video]`` and
+    the ``<Figure 1>`` embedding ``[C_text]`` pooled from the positive prompt (the
+    unconditional branch carries the same two, as the release's ``use_ref_for_uncond``)."""
+
+    latent: torch.Tensor
+    token: torch.Tensor
+
+    def branch_fields(self) -> dict[str, torch.Tensor]:
+        """The `BranchInput` fields ``image`` and ``image_token``."""
+        return {"image": self.latent, "image_token": self.token}
+
+
+def image_condition(parts: Any, image: Any, prompt: str, features: torch.Tensor,
+                    dtype: torch.dtype) -> ImageCondition:
+    """Encode ``image`` (`parts.image_encoder`, once, broadcast) and pool the marker of
+    ``prompt`` (already through `ensure_figure_token`) over its ``features`` ``[L, C]``;
+    ``dtype`` is the transformer's (the release pools the text features in it). Every rank
+    of the world calls it together."""
+    if parts.image_encoder is None:
+        raise ValueError("this model has no image encoder (a release folder's "
+                         "vae/Wan2.2_VAE.pth); image-to-video needs one")
+    latent = parts.image_encoder.encode(image)
+    indices = parts.text_encoder.figure_indices(prompt)
+    return ImageCondition(latent, pool_figure_token(features, indices, dtype))
