@@ -24,7 +24,6 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from headmoe.config import ParallelConfig
+from headmoe.config import ParallelConfig, check_positive_number
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
@@ -45,6 +44,7 @@ from headmoe.models.magi2 import BranchInput
 from headmoe.models.streaming import split_layers
 from headmoe.pipeline.encoders import Components, TextEncoder
 from headmoe.pipeline.health import (
+    DECODER_HINT,
     check_media,
     check_step,
     text_report,
@@ -89,6 +89,9 @@ class GenerateJob:
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False
     """Check every transformer layer's output for NaN/Inf (``--debug``)."""
+    overwrite: bool = False
+    """Replace existing output files; without it an output that appears while the job runs
+    (another run's) is kept and the job fails (`headmoe.files.atomic_write`)."""
     image: Any = None
     """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
     pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
@@ -101,9 +104,7 @@ class GenerateJob:
     resident_layers: int = 0
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
+        check_positive_number("timeout_s", self.timeout_s)
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:
@@ -286,7 +287,7 @@ def decode(parts: Components, req: GenerateRequest, xv: torch.Tensor, xa: torch.
     check_media("before decoding", **{"video latents": xv, "audio latents": xa})
     frames = parts.video_decoder.decode(xv.float().cpu(), num_frames or req.num_frames)
     wave = parts.audio_decoder.decode(xa.float().cpu(), num_samples)
-    check_media("after decoding", **{"audio waveform": wave})
+    check_media("after decoding", DECODER_HINT, **{"audio waveform": wave})
     return frames, quantize_audio(wave)
 
 
@@ -335,7 +336,8 @@ def run_request(
     if job.refiner is not None:
         side["refiner"] = refiner_record(job.refiner, xv, infos, coords.dp)
         side["media"]["fps"] = fps
-    write_outputs(out, side, frames, audio, fps, parts.audio_decoder.sample_rate, t_start)
+    write_outputs(out, side, frames, audio, fps, parts.audio_decoder.sample_rate, t_start,
+                  overwrite=job.overwrite)
     result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
     return result
 
@@ -379,16 +381,19 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
 
 
 def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: torch.Tensor,
-                  fps: float, sample_rate: int, t_start: float) -> None:
+                  fps: float, sample_rate: int, t_start: float, *,
+                  overwrite: bool = False) -> None:
     """Step 4: the mp4 and its sidecar, each atomically; neither file of this run stays if
-    the sidecar cannot be written (nor an older sidecar that no longer matches)."""
-    write_mp4(out, frames, fps, audio, sample_rate)
+    the sidecar cannot be written (with ``overwrite`` nor an older sidecar that no longer
+    matches; without it neither file may exist: another run's files are never touched)."""
+    write_mp4(out, frames, fps, audio, sample_rate, overwrite=overwrite)
     side["total_s"] = time.perf_counter() - t_start
     try:
-        write_sidecar(sidecar_path(out), side)
+        write_sidecar(sidecar_path(out), side, overwrite=overwrite)
     except BaseException:
         out.unlink()
-        sidecar_path(out).unlink(missing_ok=True)
+        if overwrite:
+            sidecar_path(out).unlink(missing_ok=True)
         raise
 
 
