@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import compile_check
+from headmoe.files import atomic_write
 from headmoe.layers import norms, triton_dense, triton_runtime
 from headmoe.layers.activations import swiglu7, swiglu7_
 from headmoe.layers.matmul import bi_linear, bi_matmul
@@ -67,7 +68,6 @@ from headmoe.moe import MoEConfig, MultiHeadMoE, experts_reference, route
 from headmoe.moe.experts import combine
 from headmoe.moe.routing import route_groups
 from headmoe.moe.triton_moe import DEFAULT_TILES, experts_triton, route_triton
-from headmoe.pipeline.media import _atomic_write
 
 ROOT = Path(__file__).resolve().parents[1]
 #: H200 dense bf16 tensor-core peak, TFLOP/s
@@ -195,7 +195,7 @@ class Report:
     def write(self, path: Path) -> None:
         """Rewrite `path` atomically with the report so far."""
         text = self.markdown()
-        _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
     def failures(self) -> list[str]:
         bad = [f"{r[0]}: {r[1]}" for r in self.rows if r[5] is False]
