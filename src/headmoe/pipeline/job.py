@@ -187,8 +187,28 @@ def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) ->
                      device=dev)
     xa = torch.randn((1, t_audio, parts.audio_decoder.latent_channels), generator=gen,
                      device=dev)
-    return Noise(seed, xv[0].permute(1, 2, 3, 0).contiguous().to(ctx.device),
-                 xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate), gen)
+    noise = Noise(seed, xv[0].permute(1, 2, 3, 0).contiguous().to(ctx.device),
+                  xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate), gen)
+    if req.noise_device != "cpu" and ctx.world_size > 1:
+        digest = tensor_sha256(torch.cat([noise.video.reshape(-1), noise.audio.reshape(-1)]))
+        infos: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(infos, (ctx.coords.dp, digest))
+        check_same_noise(infos, req.noise_device)
+    return noise
+
+
+def check_same_noise(digests: Sequence[tuple[int, str]], noise_device: str) -> None:
+    """``digests[rank] = (dp index, noise digest)``: raise `ValueError` naming the ranks
+    whose noise differs from their DP group's first rank (GPUs of different models draw
+    different values on the CUDA generator)."""
+    first: dict[int, tuple[int, str]] = {}
+    for rank, (dp, digest) in enumerate(digests):
+        ref = first.setdefault(dp, (rank, digest))
+        if ref[1] != digest:
+            raise ValueError(
+                f"noise_device={noise_device!r}: rank {rank} drew other noise than rank "
+                f"{ref[0]} of the same request (the values of a GPU generator depend on the "
+                f"GPU model); run the job on one GPU model or use noise_device='cpu'")
 
 
 def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
