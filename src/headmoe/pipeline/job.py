@@ -285,11 +285,13 @@ def refiner_record(stage: Any, latent: torch.Tensor, infos: list[dict[str, Any]]
 
 
 def _gather_infos(ctx: ParallelContext, step_times: list[float],
-                  refine_times: list[float] | None = None) -> list[dict[str, Any]]:
-    """Every rank's step times (preview and refiner) and counters (one all-gather of small
-    host objects)."""
+                  refine_times: list[float] | None = None,
+                  text_runs: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every rank's step times (preview and refiner), counters and text-encoder runs (None:
+    the encoder does not count them), in one all-gather of small host objects."""
     mine = {"rank": ctx.rank, "dp": ctx.coords.dp, "step_times_s": step_times,
-            "refine_step_times_s": refine_times, "counters": ctx.counters.summary()}
+            "refine_step_times_s": refine_times, "counters": ctx.counters.summary(),
+            "text_encoder_runs": text_runs}
     if ctx.world_size == 1:
         return [mine]
     infos: list[Any] = [None] * ctx.world_size
@@ -335,7 +337,8 @@ def run_request(
     if job.refiner is not None:
         xv, refine_times = refine(ctx, job, parts, noise, xv, texts, on_step)
         num_frames, fps = frame_count(xv.shape[0]), req.fps * REFINER_FPS_FACTOR
-    infos = _gather_infos(ctx, step_times, refine_times)
+    infos = _gather_infos(ctx, step_times, refine_times,
+                          getattr(parts.text_encoder, "runs", None))
     result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
               "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
     if (coords.sp, coords.cfg) != (0, 0):
@@ -391,6 +394,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "video_sha256": result["video_sha256"],
         "audio_sha256": result["audio_sha256"],
         "counters": {str(x["rank"]): x["counters"] for x in group},
+        "text_encoder_runs": {str(x["rank"]): x["text_encoder_runs"] for x in infos},
         "torch": torch.__version__,
         **job.extra,
     }
