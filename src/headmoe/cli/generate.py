@@ -374,7 +374,8 @@ def _release(args: argparse.Namespace, request: GenerateRequest, parallel: Paral
     video = args.video_decoder or "turbo"
     video_latents.latent_shape(request.num_frames, request.height, request.width)
     request.audio_samples(44100)
-    image = getattr(args, "image", None) is not None
+    # --image needs the encoder; a server (image_encoder None) loads it when vae/ has it
+    image = getattr(args, "image", None) is not None or getattr(args, "image_encoder", False)
     if args.model == "tiny":
         validate_parallel(get_config("tiny"), parallel)
         found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload, image)

@@ -73,7 +73,8 @@ def register(subparsers: Any) -> None:
 #: the memory check is the server's own, against --memory-gib)
 GENERATE_ONLY = {"overwrite": True, "max_memory_gib": None, "check_weights": False,
                  "prompt_file": None, "video_decoder": None, "offload": False,
-                 "offload_layers": False, "resident_layers": 0}
+                 "offload_layers": False, "resident_layers": 0, "image": None,
+                 "image_encoder": None}
 
 
 def _memory_budget(args: argparse.Namespace, world: int) -> int | None:

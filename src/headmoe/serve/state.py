@@ -53,6 +53,8 @@ class Job:
     completed_at: int | None = None
     result: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    image: Any = None
+    """Image-to-video: the request's `headmoe.pipeline.image.ReferenceImage` (with pixels)."""
 
 
 class JobStore:
@@ -77,14 +79,15 @@ class JobStore:
         self._step_sum = 0.0
 
     # ------------------------------------------------------------------ HTTP side
-    def submit(self, request: GenerateRequest) -> Job:
-        """Queue ``request`` as a new job; raises `Draining` or `QueueFull`."""
+    def submit(self, request: GenerateRequest, image: Any = None) -> Job:
+        """Queue ``request`` (with its I2V ``image``) as a new job; raises `Draining` or
+        `QueueFull`."""
         with self._lock:
             if self.draining:
                 raise Draining("the server is shutting down and takes no new jobs")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
-            job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()))
+            job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()), image=image)
             self._jobs[job.id] = job
             self._queue.append(job.id)
             self._finished["queued"] += 1
@@ -190,6 +193,7 @@ class JobStore:
                 "cancel_requested": job.cancel_requested,
                 "error": None if job.error is None else {"message": job.error},
                 "request": req.to_dict(),
+                "image": None if job.image is None else job.image.describe(),
                 "size": f"{req.width}x{req.height}",
                 "seconds": req.duration_s,
             }
