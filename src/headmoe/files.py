@@ -13,17 +13,28 @@ never a way to reach other files:
 - `check_entries(folder)`: every top-level entry of a folder a library reads by itself
   (``transformers`` picks its tokenizer files) is a confined regular file or a folder.
 - `read_json(path, what)`: a JSON file whose errors name the file.
+- `atomic_write(path, write, overwrite=...)` and `atomic_folder(path, build)`: the one way
+  headmoe writes a file or a cache folder: built under `temp_path` (``.<name>.<pid>.<uuid8>
+  .tmp`` beside it), removed on any exception (also the `Terminated` of SIGTERM), then moved
+  into place in one step. Without ``overwrite`` the move is a hard link, which fails if the
+  name exists: two runs writing the same output cannot silently replace each other.
 - `listing(kind, items)` and `brief(items)`: a problem list cut at `MAX_LISTED` names plus
   a count, so an error stays one readable line whatever the folder holds.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import stat
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from headmoe.errors import RuntimeFault
 
 #: problems listed per kind in an error message before "... and N more"
 MAX_LISTED = 12
@@ -136,3 +147,69 @@ def index_map(path: str | os.PathLike) -> dict[str, str]:
     folder = os.path.dirname(os.path.abspath(path))
     files = {shard: confined_file(folder, shard, f"{what}: shard file") for shard in sorted(set(wmap.values()))}
     return {name: files[shard] for name, shard in wmap.items()}
+
+
+# ---------------------------------------------------------------------- atomic writes
+def temp_path(path: str | os.PathLike) -> Path:
+    """``<folder>/.<name>.<pid>.<uuid8>.tmp`` beside ``path`` (same file system)."""
+    path = Path(path)
+    return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Move ``tmp`` to ``path`` only if ``path`` does not exist (`FileExistsError`)."""
+    try:
+        os.link(tmp, path)  # atomic and exclusive
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+            raise
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # no hard links here
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *,
+                 overwrite: bool = True) -> None:
+    """``write(tmp)`` then move ``tmp`` to ``path`` in one step (see the module docstring);
+    the temp file never stays. Without ``overwrite`` an existing ``path`` (made meanwhile by
+    another run) is kept and `RuntimeFault` names it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        write(str(tmp))
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            _publish(tmp, path)
+    except FileExistsError:
+        raise RuntimeFault(f"{str(path)!r} was created by another run while this one was "
+                           "going; it was kept and this run's file dropped, pass --overwrite "
+                           "to replace it or pick another path") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_folder(path: str | os.PathLike, build: Callable[[Path], None]) -> Path:
+    """``build(tmp)`` into a temp folder beside ``path``, then rename it to ``path``; a
+    concurrent builder that renamed first wins and is kept. The temp folder never stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(path)
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not path.is_dir():
+                raise
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp)
+        elif tmp.exists():
+            tmp.unlink()
+    return path

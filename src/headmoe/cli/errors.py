@@ -14,11 +14,13 @@ input, `RuntimeFault`/`OSError`/`LaunchFailure` as a fault).
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 
-from headmoe.errors import RuntimeFault, UserError
+from headmoe.errors import Refusal, RuntimeFault, UserError
 
 BAD_INPUT, FAULT, INTERRUPTED = 2, 1, 130
 __all__ = ["BAD_INPUT", "FAULT", "INTERRUPTED", "RuntimeFault", "UserError", "run_guarded"]
@@ -62,6 +64,11 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
         return _launch_message(exc)
     if isinstance(exc, RuntimeFault):
         return FAULT, one_line(exc)
+    if isinstance(exc, Refusal):  # a request field: its name shown as the flag that sets it
+        from headmoe.cli.generate import flagify
+
+        message = flagify(one_line(exc.message), assignments_only=True)
+        return BAD_INPUT, f"{message}, see 'headmoe {command} --help'"
     if isinstance(exc, UserError):
         return BAD_INPUT, one_line(exc)
     if isinstance(exc, ValueError):  # flag validation: the message names the flag
@@ -86,12 +93,38 @@ def _quiet_stdout() -> None:
         pass
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: raised in the main thread so that every ``finally`` and
+    `headmoe.files.atomic_write` clean up (no ``.tmp`` file or folder stays); exit 143."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
 def run_guarded(fn: Callable[[], int], command: str, debug: bool) -> int:
-    """Run ``fn`` inside the boundary; return its exit code or the failure's."""
+    """Run ``fn`` inside the boundary; return its exit code or the failure's. SIGTERM
+    becomes `Terminated` meanwhile (a subcommand may install its own handler, as serve's
+    drain does)."""
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminate) if main else None
+    try:
+        return _guarded(fn, command, debug)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _guarded(fn: Callable[[], int], command: str, debug: bool) -> int:
     try:
         code = int(fn())
         sys.stdout.flush()
         return code
+    except Terminated:
+        if debug:
+            traceback.print_exc()
+        print("headmoe: terminated (SIGTERM), partial files removed", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         _quiet_stdout()  # `headmoe ... | head -1`: the reader left; not an error
         return 0

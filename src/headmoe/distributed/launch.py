@@ -14,6 +14,8 @@ torch's error-file mechanism, or the signal that killed it).
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,9 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+#: prctl option: the signal a process receives when its parent dies (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,22 @@ class LaunchFailure(RuntimeError):
                                        for r, m in failures.items()}
         parts = [f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(failures.items())]
         super().__init__(f"{len(failures)} rank(s) failed\n" + "\n".join(parts))
+
+
+def exit_with_parent() -> None:
+    """Have the kernel kill this process (SIGKILL) as soon as its parent dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; nothing elsewhere): ranks orphaned by a ``kill -9`` of
+    their launcher exit at once and free their ports instead of finishing their job."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getppid()
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def torchrun_env() -> RankEnv | None:

@@ -4,8 +4,8 @@
   NaN as soon as any element is NaN or +-Inf); raises `NonFiniteError` naming the step, the
   branch and the modality. Every rank of an SP/CFG group holds the same predictions, so
   every rank fails at the same step and no rank is left waiting in a collective.
-- `check_media(stage, **tensors)`: the final latents before decoding and the decoded
-  waveform.
+- `check_media(stage, **tensors)`: the final latents before decoding, the decoded
+  video (float, before it becomes uint8: `video_latents.frames_to_uint8`) and waveform.
 - `watch_layers(model)`: under ``--debug``, a forward hook on every transformer layer that
   names the first layer whose output is not finite.
 - `text_report(encoder, texts, features)`: the tokens the text encoder kept per prompt, its
@@ -25,6 +25,8 @@ from headmoe.errors import NonFiniteError
 BRANCHES = ("conditional", "unconditional")
 _HINT = ("check the checkpoint with --check-weights, or rerun with --debug to find the first "
          "layer")
+#: after a decoder: the latents were finite, so the decoder's weights are the cause it sees
+DECODER_HINT = "check the decoders' weights with --check-weights (it reads every decoder tensor)"
 
 
 def _bad(x: torch.Tensor) -> str | None:
@@ -51,12 +53,13 @@ def check_step(step: int, steps: int, preds: Sequence[tuple[torch.Tensor, torch.
                 )
 
 
-def check_media(stage: str, **tensors: torch.Tensor) -> None:
-    """Raise `NonFiniteError` naming ``stage`` and the tensor if one holds a NaN or Inf."""
+def check_media(stage: str, hint: str = _HINT, **tensors: torch.Tensor) -> None:
+    """Raise `NonFiniteError` naming ``stage`` and the tensor if one holds a NaN or Inf
+    (``hint``: what to do, by default the transformer's)."""
     for name, x in tensors.items():
         kind = _bad(x) if x.is_floating_point() else None
         if kind:
-            raise NonFiniteError(f"{kind} in the {name} {stage}, {_HINT}")
+            raise NonFiniteError(f"{kind} in the {name} {stage}, {hint}")
 
 
 def watch_layers(model: Any) -> list[Any]:

@@ -4,10 +4,7 @@ with its model config)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -16,14 +13,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from headmoe.distributed.context import ParallelContext
+from headmoe.files import atomic_write
 from headmoe.models.magi2 import (
     PRESETS,
     BranchInput,
     Magi2Config,
     Magi2Transformer,
-    checkpoint_spec,
+    config_from_arg,
     get_config,
     load_checkpoint,
+    spec_digest,
     write_random_checkpoint,
 )
 from headmoe.models.magi2.loading import stream_layers
@@ -131,19 +130,11 @@ def resolve_model(
 
     if model == "tiny":
         cfg = get_config("tiny")
-        spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
-        key = json.dumps([cfg.to_dict(), spec, TINY_CHECKPOINT_SEED], default=list)
-        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        name = f"tiny-seed{TINY_CHECKPOINT_SEED}-{spec_digest(cfg, TINY_CHECKPOINT_SEED)}"
         path = Path(cache_dir).expanduser() / f"{name}.safetensors"
         if write and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-            try:
-                write_random_checkpoint(cfg, tmp, seed=TINY_CHECKPOINT_SEED)
-                os.replace(tmp, path)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
+            atomic_write(path, lambda tmp: write_random_checkpoint(cfg, tmp,
+                                                                   seed=TINY_CHECKPOINT_SEED))
         return cfg, str(path)
     if model in PRESETS:
         raise ValueError(
@@ -157,14 +148,7 @@ def resolve_model(
             f".safetensors.index.json file, got {model!r}"
         )
     if model_config is not None:
-        if model_config in PRESETS:
-            return get_config(model_config), str(path)
-        if not Path(model_config).expanduser().is_file():
-            raise ValueError(
-                f"model_config={model_config!r} is neither a preset "
-                f"({', '.join(sorted(PRESETS))}) nor a JSON file"
-            )
-        return Magi2Config.from_json(Path(model_config).expanduser()), str(path)
+        return config_from_arg(model_config), str(path)
     cfg_file = path.parent / "config.json"
     if not cfg_file.is_file():
         raise ValueError(

@@ -1,5 +1,5 @@
 """Media output: an mp4 (H.264 video + AAC audio, PyAV) and its JSON sidecar, both written
-atomically (a temp file in the destination folder, then `os.replace`).
+atomically (`headmoe.files.atomic_write`).
 
 The sidecar's `video_sha256` / `audio_sha256` hash the decoded uint8 frames and the int16
 audio samples handed to the encoders, not the container bytes (which carry encoder
@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
-from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,8 @@ from typing import Any
 import av
 import numpy as np
 import torch
+
+from headmoe.files import atomic_write
 
 
 def quantize_audio(wave: torch.Tensor) -> torch.Tensor:
@@ -37,28 +36,19 @@ def sidecar_path(output: str | Path) -> Path:
     return Path(output).with_suffix(".json")
 
 
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def write_mp4(
     path: str | Path,
     frames: torch.Tensor,
     fps: float,
     audio: torch.Tensor,
     sample_rate: int,
+    *,
+    overwrite: bool = True,
 ) -> None:
     """Write ``frames`` ``[F, H, W, 3]`` uint8 (H, W even) at ``fps`` and ``audio``
     ``[channels, samples]`` int16 (1 or 2 channels) at ``sample_rate`` to an mp4 with H.264
-    (yuv420p) video and AAC audio, atomically."""
+    (yuv420p) video and AAC audio, atomically (`headmoe.files.atomic_write`; without
+    ``overwrite`` an existing file is never replaced)."""
     if frames.dtype != torch.uint8 or frames.dim() != 4 or frames.shape[-1] != 3:
         raise ValueError(
             f"frames must be uint8 [F, H, W, 3], got {frames.dtype} {tuple(frames.shape)}"
@@ -90,18 +80,18 @@ def write_mp4(
                 container.mux(as_.encode(af))
             container.mux(as_.encode())
 
-    _atomic_write(Path(path), write)
+    atomic_write(path, write, overwrite=overwrite)
 
 
-def write_sidecar(path: str | Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as indented JSON to ``path``, atomically."""
+def write_sidecar(path: str | Path, data: dict[str, Any], *, overwrite: bool = True) -> None:
+    """Write ``data`` as indented JSON to ``path``, atomically (see `write_mp4`)."""
 
     def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=False)
             f.write("\n")
 
-    _atomic_write(Path(path), write)
+    atomic_write(path, write, overwrite=overwrite)
 
 
 def read_mp4(path: str | Path) -> tuple[np.ndarray, np.ndarray, float, int]:

@@ -6,7 +6,7 @@ Layout (paths relative to the folder; docs/pipeline.md section 7)::
     preview/config.json                      transformer config, public MAGI-2 schema
     preview/<name>.safetensors.index.json    transformer index (+ its shards next to it);
                                              or one preview/<name>.safetensors
-    text_encoder/config.json, tokenizer.json, tokenizer_config.json,
+    text_encoder/config.json, tokenizer.json, [tokenizer_config.json],
                  model.safetensors or model.safetensors.index.json (+ shards)
     turbo_vae/TurboV3-Wan22-TinyShallow_7_7.json, checkpoint.ckpt   (--video-decoder turbo)
     vae/Wan2.2_VAE.pth                                            (--video-decoder wan2.2)
@@ -25,16 +25,13 @@ the same layout with tiny random components, once per content spec, atomically.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headmoe.files import entry_problem
+from headmoe.files import atomic_folder, entry_problem
 
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
@@ -119,10 +116,9 @@ def required_files(video_decoder: str) -> list[str]:
         if video_decoder == "turbo"
         else [f"{WAN_DIR}/{wan_vae.CHECKPOINT_FILE}"]
     )
-    text = [f"{TEXT_ENCODER_DIR}/{n}" for n in ("config.json", "tokenizer.json",
-                                                 "tokenizer_config.json")]
+    text = [f"{TEXT_ENCODER_DIR}/{n}" for n in ("config.json", "tokenizer.json")]
     audio = [f"{AUDIO_DIR}/{audio_vae.CONFIG_FILE}", f"{AUDIO_DIR}/{audio_vae.WEIGHTS_FILE}"]
-    return [f"{PREVIEW_DIR}/{MODEL_CONFIG}", *text, *video, *audio]
+    return [*text, *video, *audio]
 
 
 def _unreadable(path: Path) -> str | None:
@@ -134,6 +130,30 @@ def _unreadable(path: Path) -> str | None:
     except OSError as e:
         return e.strerror or type(e).__name__
     return None
+
+
+#: files read when present (the published release has neither)
+OPTIONAL_FILES = (f"{PREVIEW_DIR}/{MODEL_CONFIG}", f"{TEXT_ENCODER_DIR}/tokenizer_config.json")
+#: the configuration of a release folder without preview/config.json (the published
+#: release has none: every public loader hard-codes it, MAGI2.md section 7)
+IMPLIED_CONFIG = "magi2-preview"
+
+
+def release_config(base: Path, model_config: Any = None) -> Any:
+    """The transformer configuration of release folder ``base``: ``model_config`` when given
+    (a `Magi2Config`, a preset name or a JSON file), else ``preview/config.json`` when
+    present, else the `IMPLIED_CONFIG` preset; named after the folder."""
+    from headmoe.models.magi2 import Magi2Config, config_from_arg, get_config
+
+    if isinstance(model_config, str):
+        cfg = config_from_arg(model_config)
+    elif model_config is not None:
+        cfg = model_config
+    elif (base / PREVIEW_DIR / MODEL_CONFIG).is_file():
+        cfg = Magi2Config.from_json(base / PREVIEW_DIR / MODEL_CONFIG)
+    else:
+        return get_config(IMPLIED_CONFIG)
+    return dataclasses.replace(cfg, name=base.name)
 
 
 def find_refiner(base: Path) -> tuple[str | None, Any]:
@@ -155,20 +175,19 @@ def find_refiner(base: Path) -> tuple[str | None, Any]:
 
 def find_release(
     root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False,
-    image_encoder: bool | None = False,
+    image_encoder: bool | None = False, model_config: Any = None,
 ) -> Release:
     """The `Release` of folder ``root``: every file `required_files` lists, the transformer
     under ``preview/`` and the text encoder's weights must exist and be readable; all that
-    do not are named (relative to ``root``) in one `ValueError`. ``preview/config.json`` is
-    parsed (`Magi2Config.from_json`); headers are checked by `check_release`.
-    ``image_encoder``: True requires ``vae/Wan2.2_VAE.pth`` (image-to-video), None uses it
-    when present (a server), False leaves it out."""
-    from headmoe.models.magi2 import Magi2Config
-
+    do not are named (relative to ``root``) in one `ValueError`. The configuration is
+    `release_config`'s; headers are checked by `check_release`. ``image_encoder``: True
+    requires ``vae/Wan2.2_VAE.pth`` (image-to-video), None uses it when present (a server),
+    False leaves it out."""
     base = Path(root).expanduser()
     if not base.is_dir():
         raise ValueError(f"model={str(root)!r} is not a release folder")
     files = required_files(video_decoder)
+    files += [rel for rel in OPTIONAL_FILES if os.path.lexists(base / rel)]  # checked alike
     vae = f"{WAN_DIR}/{_wan_file()}"
     if image_encoder and vae not in files:
         files.append(vae)
@@ -183,12 +202,11 @@ def find_release(
             problems.append(f"{rel} ({why})")
     if problems:
         raise ValueError(f"release folder {str(base)!r}: " + ", ".join(problems))
-    cfg = Magi2Config.from_json(base / PREVIEW_DIR / MODEL_CONFIG)
     refiner, refiner_config = find_refiner(base)
     return Release(
         root=str(base),
         transformer=str(transformer),
-        model_config=dataclasses.replace(cfg, name=base.name),
+        model_config=release_config(base, model_config),
         text_encoder=str(base / TEXT_ENCODER_DIR),
         video_decoder=video_decoder,
         video_decoder_path=str(base / VIDEO_DECODER_DIRS[video_decoder]),
@@ -223,13 +241,15 @@ def check_release(release: Release) -> None:
     encoder (`check_text_encoder`; its width must be ``text_in_channels``), the chosen video
     decoder (`check_turbo_vae` / `check_wan_vae`; 48 latent channels =
     ``video_in_channels``), the image encoder's ``vae/`` when it is used, the audio decoder
-    (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``), then the transformer
-    (`check_checkpoint`). Raises a one-line
+    (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``), after the transformer
+    (`check_checkpoint`, first: a folder read with the wrong configuration is named by its
+    tensors), then the refiner. Raises a one-line
     `ValueError` naming the file or tensor."""
     from headmoe.models.magi2 import check_checkpoint
     from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
 
     cfg, root = release.model_config, Path(release.root)
+    _component(release.transformer, check_checkpoint, cfg, release.transformer)
     width = _component(release.text_encoder, text_encoder.check_text_encoder, release.text_encoder)
     pairs = [(f"{TEXT_ENCODER_DIR}/config.json hidden_size", width, "text_in_channels",
               cfg.text_in_channels)]
@@ -251,8 +271,7 @@ def check_release(release: Release) -> None:
     for what, value, field, want in pairs:
         if value != want:
             raise ValueError(f"release folder {str(root)!r}: {what}={value} does not match "
-                             f"{PREVIEW_DIR}/{MODEL_CONFIG} {field}={want}")
-    _component(release.transformer, check_checkpoint, cfg, release.transformer)
+                             f"the transformer configuration {cfg.name!r}: {field}={want}")
     if release.refiner is not None:
         check_refiner(release)
 
@@ -319,18 +338,15 @@ def tiny_release_name() -> str:
 
     import torch
 
-    from headmoe.models.magi2 import checkpoint_spec, get_config
+    from headmoe.models.magi2 import get_config, spec_digest
     from headmoe.models.refiner import get_refiner_config, refiner_spec
 
-    cfg = get_config("tiny")
-    spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(cfg).items()}
     rcfg = get_refiner_config(TINY_SPEC["refiner"]["preset"])
     rspec = {k: [list(s), str(d)] for k, (s, d) in refiner_spec(rcfg).items()}
     versions = [torch.__version__, *(version(n) for n in ("transformers", "tokenizers",
                                                           "diffusers"))]
-    key = json.dumps([TINY_SPEC, cfg.to_dict(), spec, rcfg.to_dict(), rspec, versions],
-                     default=list, sort_keys=True)
-    return f"tiny-release-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    digest = spec_digest(get_config("tiny"), TINY_SPEC, rcfg.to_dict(), rspec, versions)
+    return f"tiny-release-{digest}"
 
 
 def write_tiny_release(folder: str | os.PathLike) -> None:
@@ -378,22 +394,10 @@ def _write_tiny_refiner(folder: Path, spec: dict[str, Any]) -> None:
 
 
 def tiny_release(cache_dir: str | os.PathLike, *, write: bool = True) -> Path:
-    """The embedded default's folder ``<cache_dir>/<tiny_release_name()>``, written once:
-    built in a temp folder beside it, then renamed into place (atomic; a concurrent writer
-    that wins the rename is kept). ``write=False`` only names it."""
+    """The embedded default's folder ``<cache_dir>/<tiny_release_name()>``, written once
+    (`headmoe.files.atomic_folder`: a concurrent writer that wins the rename is kept).
+    ``write=False`` only names it."""
     path = Path(cache_dir).expanduser() / tiny_release_name()
     if not write or path.is_dir():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        write_tiny_release(tmp)
-        try:
-            os.replace(tmp, path)
-        except OSError:
-            if not path.is_dir():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return path
+    return atomic_folder(path, write_tiny_release)

@@ -13,7 +13,7 @@ Endpoints (JSON unless stated; errors are ``{"error": {"message", "type", "param
   cancelled one 409.
 - ``GET /v1/videos``: ``{"object": "list", "data": [job, ...]}`` in submission order.
 - ``GET /v1/videos/{id}``: the job (404 unknown id).
-- ``GET /v1/videos/{id}/content``: the mp4 (404 until completed).
+- ``GET /v1/videos/{id}/content``: the mp4 (404 until completed, 410 once its file is gone).
 - ``DELETE /v1/videos/{id}``: cancel a queued or in-progress job (the job object); for a
   finished job delete it and its files (``{"id", "object": "video.deleted", "deleted"}``).
 - ``GET /health`` (never authenticated): 200 ``{"status": "ok"}``; 503 while loading or
@@ -34,14 +34,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
 from headmoe.serve import images
+from headmoe.serve.http import BODY_TIMEOUT_S
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import Draining, Job, JobStore, QueueFull
-from headmoe.serve.validate import RequestError, parse_body, to_generate_request
+from headmoe.serve.validate import RequestError, admit_body, parse_body
 
 #: the largest request body read (bytes)
 MAX_BODY = 1 << 20
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          408: "invalid_request_error",
+          409: "conflict_error", 410: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
 
 
@@ -60,7 +62,10 @@ class _Refused(Exception):
 
 def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
     """The application; ``spec`` gives the API key and the validation rules."""
-    app = FastAPI(title="headmoe serve", version="1")
+    # with a key the schema pages are off: they would answer without it
+    pages = {} if spec.api_key is None else {"docs_url": None, "redoc_url": None,
+                                              "openapi_url": None}
+    app = FastAPI(title="headmoe serve", version="1", **pages)
 
     @app.exception_handler(_Refused)
     async def _refused(request: Request, exc: _Refused) -> JSONResponse:
@@ -90,20 +95,29 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
 
 
 async def _read_body(request: Request, limit: int = MAX_BODY) -> bytes:
+    """The body: at most ``limit`` bytes (413), all of it within `BODY_TIMEOUT_S` (408)."""
     declared = request.headers.get("content-length", "0")
     if declared.isdigit() and int(declared) > limit:
         raise RequestError(f"the body has {declared} bytes, more than {limit}", None, 413)
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise RequestError(f"the body has more than {limit} bytes", None, 413)
+
+    async def read() -> None:
+        async for chunk in request.stream():
+            raw.extend(chunk)
+            if len(raw) > limit:
+                raise RequestError(f"the body has more than {limit} bytes", None, 413)
+
+    try:
+        await asyncio.wait_for(read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise RequestError(f"the body did not arrive within {BODY_TIMEOUT_S:g} s", None,
+                           408) from None
     return bytes(raw)
 
 
 async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, Any]:
-    """The validated `GenerateRequest` and its I2V `ReferenceImage` (or None) of a JSON or
-    multipart body (`headmoe.serve.images`)."""
+    """The admitted request (`admit_body`) and its I2V `ReferenceImage` (or None) of a JSON
+    or multipart body (`headmoe.serve.images`)."""
     raw = await _read_body(request, MAX_BODY + images.MAX_IMAGE_FIELD + (64 << 10))
     if images.is_multipart(request.headers.get("content-type", "")):
         raw, data = await images.split_multipart(request.headers, raw)
@@ -114,21 +128,22 @@ async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, An
     if len(raw) > MAX_BODY:
         raise RequestError(f"the body has more than {MAX_BODY} bytes besides its image", None,
                            413)
-    req = to_generate_request(parse_body(raw), spec)
+    admitted = admit_body(parse_body(raw), spec)
+    req = admitted.request
     if data is None:
-        return req, None
+        return admitted, None
     if spec.release is None or spec.release.image_encoder is None:
         raise RequestError(f"{param}: this server's model has no image encoder (a release "
                            "folder's vae/Wan2.2_VAE.pth)", param)
     image = await run_in_threadpool(images.prepare_request_image, data, req.height, req.width,
                                     param)
-    return req, image
+    return admitted, image
 
 
 async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
     try:
-        req, image = await _request_and_image(request, spec)
-        job = store.submit(req, image)
+        admitted, image = await _request_and_image(request, spec)
+        job = store.submit(admitted.request, admitted.describe(), image)
     except RequestError as exc:
         store.reject(str(exc.status))
         raise _Refused(error(exc.status, exc.message, exc.param)) from None
@@ -194,10 +209,14 @@ def _add_video_routes(api: APIRouter, store: JobStore, spec: ServeSpec) -> None:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _content(store: JobStore, job: Job) -> FileResponse:
+def _content(store: JobStore, job: Job) -> FileResponse | JSONResponse:
     result = job.result or {}
+    path = store.output_path(job.id)
+    if not path.is_file():
+        return error(410, f"video {job.id} was completed but its file is gone from the "
+                          "server", "id")
     return FileResponse(
-        store.output_path(job.id),
+        path,
         media_type="video/mp4",
         filename=f"{job.id}.mp4",
         headers={"X-Video-Id": job.id, "X-Video-Sha256": str(result.get("video_sha256")),

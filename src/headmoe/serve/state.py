@@ -29,6 +29,16 @@ ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+#: an absolute path's folders (POSIX or a drive letter), up to its last component
+_FOLDERS = re.compile(r"(?<![\w.:/])(?:[A-Za-z]:)?[/\\](?:[^\s'\"/\\:,;()\[\]<>]+[/\\])+")
+
+
+def redact_paths(text: str) -> str:
+    """``text`` with every absolute path cut to its last component (what a client may see
+    of a failure: ``'/srv/out/video_1.mp4'`` -> ``'video_1.mp4'``)."""
+    return _FOLDERS.sub("", text)
+
+
 class QueueFull(RuntimeError):
     """The queue holds ``max_queue`` jobs already (HTTP 429)."""
 
@@ -53,6 +63,8 @@ class Job:
     completed_at: int | None = None
     result: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    admission: dict[str, Any] = field(default_factory=dict)
+    """`Admitted.describe()`: where each field came from (recorded in the sidecar)."""
     image: Any = None
     """Image-to-video: the request's `headmoe.pipeline.image.ReferenceImage` (with pixels)."""
 
@@ -79,15 +91,17 @@ class JobStore:
         self._step_sum = 0.0
 
     # ------------------------------------------------------------------ HTTP side
-    def submit(self, request: GenerateRequest, image: Any = None) -> Job:
-        """Queue ``request`` (with its I2V ``image``) as a new job; raises `Draining` or
-        `QueueFull`."""
+    def submit(self, request: GenerateRequest, admission: dict[str, Any] | None = None,
+               image: Any = None) -> Job:
+        """Queue ``request`` (with its I2V ``image``) as a new job (``admission``: what its
+        sidecar records of its admission); raises `Draining` or `QueueFull`."""
         with self._lock:
             if self.draining:
                 raise Draining("the server is shutting down and takes no new jobs")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
-            job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()), image=image)
+            job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()),
+                      admission=admission or {}, image=image)
             self._jobs[job.id] = job
             self._queue.append(job.id)
             self._finished["queued"] += 1

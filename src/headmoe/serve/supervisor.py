@@ -39,8 +39,10 @@ def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, err
     failed first, not the cascade of peers that lost it)."""
     import torch
 
+    from headmoe.distributed.launch import exit_with_parent
     from headmoe.serve.worker import serve_rank
 
+    exit_with_parent()  # a kill -9 of the supervisor ends every rank at once (port freed)
     os.environ["LOCAL_RANK"] = str(rank)
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

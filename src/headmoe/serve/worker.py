@@ -34,14 +34,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.context import ParallelContext, rank_device
 from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.job import Components, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
+from headmoe.serve.http import bound_logs, uvicorn_options
 from headmoe.serve.spec import ServeSpec
-from headmoe.serve.state import ID_PATTERN, Job, JobStore
-from headmoe.serve.validate import estimate_rank_bytes
+from headmoe.serve.state import ID_PATTERN, Job, JobStore, redact_paths
 
 
 class JobCancelled(Exception):
@@ -74,7 +74,9 @@ class Leader:
         from headmoe.serve.app import create_app
 
         config = uvicorn.Config(create_app(self.store, self.spec), log_level=self.spec.log_level,
-                                access_log=False, timeout_graceful_shutdown=5)
+                                access_log=False, timeout_graceful_shutdown=5,
+                                **uvicorn_options())
+        bound_logs()
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]},
                                         name="uvicorn", daemon=True)
@@ -107,6 +109,7 @@ class Leader:
             return {"op": "idle"}
         self.current, self._last_step = job, time.perf_counter()
         return {"op": "run", "id": job.id, "request": job.request.to_dict(),
+                "admission": job.admission,
                 "image": None if job.image is None else job.image.describe()}
 
     def must_stop(self, done: int) -> bool:
@@ -130,9 +133,9 @@ class Leader:
         """End the current job from every rank's outcome (``{"rank", "status", "message"}``)."""
         job, self.current = self.current, None
         failed = [o for o in outcomes if o["status"] == "failed"]
-        if failed:
-            self.store.finish(job, "failed", f"rank {failed[0]['rank']}: {failed[0]['message']}",
-                              None)
+        if failed:  # clients never see the server's paths
+            message = redact_paths(f"rank {failed[0]['rank']}: {failed[0]['message']}")
+            self.store.finish(job, "failed", message, None)
         elif any(o["status"] == "cancelled" for o in outcomes):
             why = "cancelled by request" if job.cancel_requested else "server shutting down"
             self.store.finish(job, "cancelled", why, None)
@@ -163,7 +166,8 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     if not ID_PATTERN.fullmatch(job_id):
         raise ValueError(f"bad job id from rank 0: {job_id!r}")
     request = GenerateRequest(**cmd["request"])
-    extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})}}
+    extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})},
+             "admission": cmd.get("admission", {})}
     image = None  # rank 0 (the image encoder's) holds the pixels; the others its description
     if cmd.get("image") is not None:
         image = leader.current.image if leader else ReferenceImage.from_dict(cmd["image"])
@@ -217,8 +221,8 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-    if world_size == 1:
-        ctx = ParallelContext.single(spec.parallel)
+    if world_size == 1:  # where launched ranks run (CUDA when available), as generate
+        ctx = ParallelContext.single(spec.parallel, device=rank_device())
     else:
         ctx = ParallelContext.initialize(spec.parallel, rank=rank, world_size=world_size,
                                          init_method=init_method,
@@ -227,7 +231,6 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
     try:
         if leader is not None:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
-            estimate_rank_bytes(spec, template.request)  # cache the planner's weight bytes
             leader.start_http()  # /health says "loading" until the model is in
         t0 = time.perf_counter()
         parts = build_components(ctx, template)

@@ -4,6 +4,7 @@ from headmoe.models.magi2.config import (
     MODALITIES,
     PRESETS,
     Magi2Config,
+    config_from_arg,
     get_config,
     validate_parallel,
 )
@@ -13,6 +14,7 @@ from headmoe.models.magi2.loading import (
     checkpoint_spec,
     load_checkpoint,
     parameter_count,
+    spec_digest,
     write_random_checkpoint,
 )
 from headmoe.models.magi2.model import Magi2Transformer, sp_token_counts
@@ -37,6 +39,8 @@ __all__ = [
     "PackedInputs",
     "check_checkpoint",
     "checkpoint_spec",
+    "config_from_arg",
+    "spec_digest",
     "get_config",
     "load_checkpoint",
     "modality_order",

@@ -16,6 +16,7 @@ MoE expert tensors (`...mlp.moe_mlp.*`) the rows of its EP shard's heads
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -60,6 +61,14 @@ def checkpoint_spec(config: Magi2Config) -> dict[str, tuple[tuple[int, ...], tor
     with torch.device("meta"):
         model = Magi2Transformer(config, dtype=config.torch_params_dtype)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def spec_digest(config: Magi2Config, *extra: Any) -> str:
+    """16 hex digits of sha256 over `config`, its `checkpoint_spec` (names, shapes, dtypes)
+    and ``extra`` (JSON-able): the one cache key of the tiny model's files."""
+    spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(config).items()}
+    key = json.dumps([config.to_dict(), spec, *extra], default=list, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def parameter_count(config: Magi2Config) -> int:

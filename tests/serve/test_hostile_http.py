@@ -1,0 +1,239 @@
+"""Hostile HTTP clients (issue 23 points 4, 8, 10): half-sent requests, slow bodies, log
+floods, schema pages without the key, server paths in failures, content whose file is gone,
+a port already taken, and a supervisor killed with SIGKILL.
+
+The HTTP cases run rank 0's real HTTP thread (`Leader.start_http`) in this process over a
+store without ranks; no model is loaded."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+import headmoe.serve.app as app_mod
+import headmoe.serve.http as http_mod
+from headmoe.cli.main import main
+from headmoe.config import ParallelConfig
+from headmoe.pipeline.request import GenerateRequest
+from headmoe.serve.http import LogBudget
+from headmoe.serve.spec import ServeSpec
+from headmoe.serve.state import redact_paths
+from headmoe.serve.worker import Leader, bind
+from tests.serve.server import REQUEST, Server, wait_for
+
+KEY = "s3cret"
+
+
+def _leader(tmp_path, api_key=None) -> Leader:
+    spec = ServeSpec(ParallelConfig(), SimpleNamespace(name="fake"), "", "tiny", "fp32",
+                     str(tmp_path), port=0, api_key=api_key, tick_s=0.01)
+    leader = Leader(spec, bind("127.0.0.1", 0))
+    leader.start_http()
+    return leader
+
+
+@pytest.fixture
+def leader(tmp_path, monkeypatch):
+    monkeypatch.setattr(http_mod, "HEADER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(app_mod, "BODY_TIMEOUT_S", 1.0)
+    lead = _leader(tmp_path, KEY)
+    yield lead
+    lead.stop_http()
+    lead.sock.close()
+
+
+def _url(leader: Leader) -> str:
+    host, port = leader.sock.getsockname()[:2]
+    return f"http://{host}:{port}"
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except OSError:  # reset by the server
+        return True
+
+
+def test_half_sent_requests_cannot_exhaust_descriptors(leader):
+    host, port = leader.sock.getsockname()[:2]
+    before = _open_fds()
+    extra = 40
+    clients = []
+    for _ in range(http_mod.MAX_CONNECTIONS + extra):
+        c = socket.create_connection((host, port))
+        c.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Le")  # never finished
+        clients.append(c)
+    time.sleep(0.5)
+    # connections beyond the cap are closed at once: the server holds at most the cap
+    server_side = _open_fds() - before - len(clients)
+    assert server_side <= http_mod.MAX_CONNECTIONS + 2, server_side
+    refused = sum(_closed_by_server(c, 0.2) for c in clients[-extra:])
+    assert refused == extra
+    # the others lose their connection once the head deadline passes
+    assert all(_closed_by_server(c, 5.0) for c in clients[:http_mod.MAX_CONNECTIONS])
+    for c in clients:
+        c.close()
+    with httpx.Client(base_url=_url(leader)) as client:  # and the server still answers
+        assert client.get("/health").status_code == 503  # "loading": no model here
+
+
+def test_slow_body_gets_408_in_the_error_shape(leader):
+    host, port = leader.sock.getsockname()[:2]
+    with socket.create_connection((host, port)) as c:
+        c.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                  KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prompt\": ")
+        c.settimeout(10)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = c.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply
+    assert b'"type":"invalid_request_error"' in body and b"within 1 s" in body, body
+
+
+def test_schema_pages_are_off_with_a_key(leader, tmp_path):
+    with httpx.Client(base_url=_url(leader)) as client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            for headers in ({}, {"Authorization": f"Bearer {KEY}"}):
+                assert client.get(path, headers=headers).status_code == 404, path
+    open_leader = _leader(tmp_path / "open")
+    try:
+        with httpx.Client(base_url=_url(open_leader)) as client:
+            assert client.get("/openapi.json").status_code == 200  # no key: a local server
+    finally:
+        open_leader.stop_http()
+        open_leader.sock.close()
+
+
+def test_content_whose_file_is_gone_is_410(leader):
+    store = leader.store
+    job = store.submit(GenerateRequest(prompt="x"))
+    assert store.next_job(0.1) is job
+    store.finish(job, "completed", None, {"video_sha256": "0", "audio_sha256": "0"})
+    with httpx.Client(base_url=_url(leader),
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        r = client.get(f"/v1/videos/{job.id}/content")
+    assert r.status_code == 410, r.text
+    err = r.json()["error"]
+    assert err["code"] == 410 and err["param"] == "id" and "gone" in err["message"]
+
+
+def test_failed_job_shows_no_server_path(leader, tmp_path):
+    store = leader.store
+    job = store.submit(GenerateRequest(prompt="x"))
+    leader.current = store.next_job(0.1)
+    where = tmp_path / "videos" / f".{job.id}.mp4.1.abcd.tmp"
+    leader.finish([{"rank": 1, "status": "failed",
+                    "message": f"OSError: [Errno 28] No space left on device: '{where}'"}], None)
+    assert job.status == "failed"
+    assert str(tmp_path) not in job.error and f"'.{job.id}.mp4.1.abcd.tmp'" in job.error
+    assert redact_paths("see /srv/a/b.py and http://h/x") == "see b.py and http://h/x"
+
+
+def test_log_flood_is_bounded():
+    budget = LogBudget(burst=5, window_s=0.2)
+    rec = [logging.LogRecord("uvicorn.error", logging.WARNING, "", 0, "Invalid HTTP request "
+                             "received.", None, None) for _ in range(1000)]
+    assert sum(budget.filter(r) for r in rec) == 5
+    time.sleep(0.25)
+    later = logging.LogRecord("uvicorn.error", logging.WARNING, "", 0, "next", None, None)
+    assert budget.filter(later) and later.msg == "(995 log lines dropped) next"
+
+
+def test_port_in_use_is_one_line_before_loading(tiny_cache, tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "--cache-dir", str(tiny_cache), "--port", str(port),
+                     "--output-dir", str(tmp_path / "videos")])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error" in ln]
+    assert code == 2 and len(lines) == 1, err
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in lines[0], err
+    assert "Traceback" not in err and "loaded" not in err
+    assert not (tmp_path / "videos").exists()
+
+
+@pytest.mark.multirank
+def test_killed_supervisor_takes_its_ranks_and_port_with_it(tmp_path, tiny_cache):
+    srv = Server(tmp_path, tiny_cache, "--nproc", "2", "--ulysses-degree", "2")
+    port = int(srv.url.rsplit(":", 1)[1])
+    ranks = srv.worker_pids()
+    assert len(ranks) == 2
+    with srv.client() as client:  # a long job in progress: the orphans must not finish it
+        job = client.post("/v1/videos", json={**REQUEST, "num_inference_steps": 500}).json()
+        wait_for(client, job["id"], lambda j: j["steps_completed"] >= 1)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _alive(p)]
+        time.sleep(0.1)
+    assert not alive, f"orphaned ranks {alive} still running"
+    bind("127.0.0.1", port).close()  # the port is free again
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _table(text: str, header: str) -> dict[str, str]:
+    """First two columns of the markdown table whose header row starts with ``header``."""
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"| {header} |"))
+    rows = {}
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_serving_doc_states_the_code_limits_and_defaults():
+    from pathlib import Path
+
+    from headmoe.cli.main import build_parser
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    limits = _table(text, "limit")
+    assert limits == {
+        "open connections": str(http_mod.MAX_CONNECTIONS),
+        "request head (line and headers)": f"{http_mod.HEADER_TIMEOUT_S:g} s",
+        "request body": f"{app_mod.BODY_TIMEOUT_S:g} s",
+        "request body size": f"{app_mod.MAX_BODY >> 20} MiB",
+        "log lines of uvicorn and asyncio": f"{http_mod.LOG_BURST} per "
+                                            f"{http_mod.LOG_WINDOW_S:g} s",
+    }
+    assert f"408 body not in within {app_mod.BODY_TIMEOUT_S:g} s" in text
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    defaults = {f"`{a.option_strings[0]}`": a.default for a in serve._actions if a.option_strings}
+    for flag, stated in _table(text, "flag").items():
+        want = defaults[flag]
+        if stated == "none":
+            assert want is None, flag
+        elif want is not None:
+            assert stated == f"{want:g}" if isinstance(want, float) else stated == str(want), flag
