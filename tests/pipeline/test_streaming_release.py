@@ -1,9 +1,11 @@
 """Streamed and resident runs of the embedded release write the same bytes (issue 20): one
 rank, SP4+EP2 with both MoE exchanges, and SP2 x CFG2, in one 4-rank spawn; every rank
-moves the planner's bytes per step (EP ranks: their own expert rows)."""
+moves the planner's bytes per step (EP ranks: their own expert rows); and the refiner's
+layers streamed on SP2 x CFG2 give the resident refined clip."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,6 +16,7 @@ from headmoe.distributed import ParallelContext
 from headmoe.distributed.topology import plan_topology
 from headmoe.pipeline import release
 from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
+from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.planner.memory import StreamSettings, stream_estimate
 
@@ -26,6 +29,7 @@ LAYOUTS = [
     ("sp4 x ep2 sp_group", ParallelConfig(**EP2, moe_exchange="sp_group"), 0),
     ("sp2 x cfg2", ParallelConfig(ulysses_degree=2, cfg_parallel_size=2), 2),
 ]
+SP2CFG2 = LAYOUTS[-1][1]
 
 
 def _job(found, parallel, offload, resident=0, output=None):
@@ -36,10 +40,16 @@ def _job(found, parallel, offload, resident=0, output=None):
                        resident_layers=resident)
 
 
+def _refined(found, parallel, offload):
+    """The 1080p path at a tiny size: the preview, then the refiner (with `offload` the
+    refiner's layers stream too)."""
+    return dataclasses.replace(_job(found, parallel, offload), refiner=RefinerStage(48, 64, 3))
+
+
 def _streamed(rank, world_size, folder, out):
     found = release.find_release(folder)
-    return run_jobs(rank, world_size, [_job(found, p, True, n, f"{out}/{j}.mp4")
-                                       for j, (_, p, n) in enumerate(LAYOUTS)])
+    jobs = [_job(found, p, True, n, f"{out}/{j}.mp4") for j, (_, p, n) in enumerate(LAYOUTS)]
+    return run_jobs(rank, world_size, [*jobs, _refined(found, SP2CFG2, True)])
 
 
 @pytest.mark.multirank
@@ -53,9 +63,13 @@ def test_streamed_runs_write_the_resident_bytes(tmp_path):
     torch.set_num_threads(1)  # like the ranks
     try:
         res = run_job(ParallelContext.single(), _job(found, ParallelConfig(), False))
+        refined = run_job(ParallelContext.single(), _refined(found, ParallelConfig(), False))
     finally:
         torch.set_num_threads(threads)
     want = (res["video_sha256"], res["audio_sha256"])
+    got = {(r[-1]["video_sha256"], r[-1]["audio_sha256"]) for r in per_rank if r[-1]["video_sha256"]}
+    assert got == {(refined["video_sha256"], refined["audio_sha256"])}  # the refiner streamed
+    assert refined["video_sha256"] != res["video_sha256"]
     for j, (name, _, _) in enumerate(LAYOUTS):
         writers = [r[j] for r in per_rank if r[j]["video_sha256"] and r[j]["seed"] == 5]
         assert writers, name
