@@ -29,7 +29,7 @@ import torch
 
 from headmoe.layers import triton_attention
 from headmoe.layers.range_attention import RangePlan
-from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, kernels
+from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +43,7 @@ class RangeTiles:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"RangeTiles.{name} must be a power of two >= 16, got {v!r}")
+        check_tile_sizes(self, ("block_m", "block_n"))
 
 
 DEFAULT_RANGE_TILES = RangeTiles()
