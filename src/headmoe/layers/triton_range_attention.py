@@ -49,9 +49,8 @@ class RangeTiles:
 DEFAULT_RANGE_TILES = RangeTiles()
 
 
-def supported(head_dim: int) -> bool:
-    """Whether the kernel takes this head dim (a power of two >= 16)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+#: whether the kernel takes a head dim: the same rule as the sink attention kernel's
+supported = triton_attention.supported
 
 
 def _check_args(q, k, v, plan: RangePlan, tiles: RangeTiles) -> None:
