@@ -66,6 +66,17 @@ def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, m
     assert not (tmp_path / "o.mp4").exists()
 
 
+def test_cuda_noise_refused_without_cuda(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main(["generate", "--prompt", "x", "--cache-dir", str(tmp_path / "c"), "--output",
+                 str(tmp_path / "o.mp4"), "--noise-device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--noise-device='cuda' draws the noise on the GPU, but no CUDA" in err
+    assert not (tmp_path / "o.mp4").exists()
+
+
 def test_flagify_only_rewrites_field_names():
     assert (
         flagify("seed must be a non-negative int, got -1")

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from headmoe.layers.range_attention import RangePlan, range_attention_reference
-from headmoe.layers.triton_attention import AttentionTiles
-from headmoe.layers.triton_range_attention import triton_range_attention
+from headmoe.layers.triton_range_attention import RangeTiles, triton_range_attention
 from headmoe.models.refiner import Magi2RefinerConfig, attention_plan, pack_refiner
 from tests.triton_interp import interpreted  # noqa: F401  (sets TRITON_INTERPRET first)
 
@@ -19,7 +18,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("interpreted")]
 CONFIG = Magi2RefinerConfig(name="t", num_layers=1, multimodal_layers=(), hidden_size=64,
                             head_dim=16, num_query_groups=2, text_in_channels=8, block_t=2,
                             block_h=2, block_w=2, radius_t=1, radius_h=1, radius_w=1)
-TILES = AttentionTiles(block_m=16, block_n=16)
+TILES = RangeTiles(block_m=16, block_n=16)
 HQ, HKV, DIM, SCALE = 4, 2, 16, 0.3
 
 

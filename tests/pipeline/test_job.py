@@ -84,6 +84,12 @@ def test_noise_is_drawn_as_the_release_draws_it():
     assert torch.equal(noise.audio, audio[0]) and noise.seed == 7
 
 
+def test_ranks_with_other_noise_are_named():
+    job_module.check_same_noise([(0, "a"), (0, "a"), (1, "b"), (1, "b")], "cuda")
+    with pytest.raises(ValueError, match="rank 3 drew other noise than rank 2 of the same"):
+        job_module.check_same_noise([(0, "a"), (0, "a"), (1, "b"), (1, "c")], "cuda")
+
+
 def test_cuda_noise_needs_a_cuda_rank():
     req = GenerateRequest(prompt="a cat", noise_device="cuda")
     with pytest.raises(ValueError, match="noise_device='cuda' needs ranks on CUDA devices"):

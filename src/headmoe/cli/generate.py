@@ -429,7 +429,8 @@ def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: Pa
             checks.scan_weights(checkpoint, headers, report.prefix)
             if release is not None:
                 checks.scan_decoders(release)
-    return admit(given, dep), dep, checkpoint, release
+    return admit(given, dep, image=getattr(args, "image", None) is not None), dep, \
+        checkpoint, release
 
 
 def _release(args: argparse.Namespace, parallel: ParallelConfig):
@@ -443,7 +444,8 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     from headmoe.pipeline import release as rel
 
     video = args.video_decoder or "turbo"
-    image = getattr(args, "image", None) is not None
+    # --image needs the encoder; a server (image_encoder None) loads it when vae/ has it
+    image = getattr(args, "image", None) is not None or getattr(args, "image_encoder", False)
     if args.model == "tiny":
         if args.model_config is not None:
             raise ValueError("model_config applies to a release folder or a checkpoint file, "

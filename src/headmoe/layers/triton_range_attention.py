@@ -23,23 +23,37 @@ path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from headmoe.layers import triton_attention
 from headmoe.layers.range_attention import RangePlan
-from headmoe.layers.triton_attention import KERNELS as ATTENTION_KERNELS
-from headmoe.layers.triton_attention import AttentionTiles, supported
-from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, kernels
-
-#: the kernel module (imported on first use, `triton_runtime.kernels`)
-KERNELS = "headmoe.layers.triton_range_attention_kernels"
+from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 
-#: the tiles of the range kernel (`AttentionTiles`: block_m is the most rows of one query
-#: tile, block_n the keys per step)
-DEFAULT_RANGE_TILES = AttentionTiles(block_m=128, block_n=64, num_warps=8, num_stages=2)
+@dataclasses.dataclass(frozen=True)
+class RangeTiles:
+    """block_m: the most query rows of one tile (a plan's tiles must not be longer);
+    block_n: keys per step; num_warps/num_stages: CUDA launch options."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        check_tile_sizes(self, ("block_m", "block_n"))
 
 
-def _check_args(q, k, v, plan: RangePlan, tiles: AttentionTiles) -> None:
+DEFAULT_RANGE_TILES = RangeTiles()
+
+
+#: whether the kernel takes a head dim: the same rule as the sink attention kernel's
+supported = triton_attention.supported
+
+
+def _check_args(q, k, v, plan: RangePlan, tiles: RangeTiles) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in KERNEL_FLOATS:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t)
@@ -69,13 +83,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def triton_range_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RangePlan, scale: float,
-    tiles: AttentionTiles = DEFAULT_RANGE_TILES,
+    tiles: RangeTiles = DEFAULT_RANGE_TILES,
 ) -> torch.Tensor:  # fmt: skip
     """q `[N, Hq, D]`, k/v `[N, Hkv, D]` (Hkv dividing Hq), same dtype, D a power of two
     >= 16; `plan` with tiles of at most `tiles.block_m` rows. Returns `[N, Hq, D]` in q's
     dtype. Raises `ValueError` naming the bad argument."""
+    kern = kernels("headmoe.layers.triton_range_attention_kernels")
+    log2e = kernels(triton_attention.KERNELS).LOG2E.value
     _check_args(q, k, v, plan, tiles)
-    kern = kernels(KERNELS)
     check_tensors(kern.range_attention_kernel, q=q, k=k, v=v)
     q, k, v = _rows(q), _rows(k), _rows(v)
     n, hq, d = q.shape
@@ -90,7 +105,7 @@ def triton_range_attention(
     kern.range_attention_kernel[(len(plan.q_tiles), hq)](
         q, k, v, out, q_tiles, k_offsets, k_ranges,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), float(scale) * kernels(ATTENTION_KERNELS).LOG2E.value,
+        out.stride(0), out.stride(1), float(scale) * log2e,
         GROUP=hq // k.shape[1], HEAD_DIM=d, PRECISION=prec, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

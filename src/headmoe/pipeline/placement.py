@@ -92,7 +92,9 @@ class NodeTextEncoder:
     """`TextEncoder` whose encoder runs on the node's first rank (``src``) and whose features
     every rank of the node receives by broadcast (see the module doc). ``encoder`` is a
     `Qwen35TextEncoder` on ``src`` and None elsewhere; ``group`` the node's process group
-    (None: the default group), ``size`` the node's ranks (1: no broadcast)."""
+    (None: the default group), ``size`` the node's ranks (1: no broadcast). ``runs``: how
+    many texts this rank's encoder has encoded (0 off ``src``; the sidecar's
+    ``text_encoder_runs``)."""
 
     def __init__(self, encoder: Any, out_channels: int, src: int, group: Any, size: int,
                  device: torch.device, offload: bool):
@@ -100,6 +102,7 @@ class NodeTextEncoder:
         self.src, self.group, self.size, self.device = src, group, size, device
         self.max_tokens = encoder.max_tokens if encoder is not None else MAX_TEXT_TOKENS
         self.placed = Placed(encoder.model, device, offload) if encoder is not None else None
+        self.runs = 0
 
     def encode(self, text: str) -> torch.Tensor:
         """``[L, out_channels]`` float32 on the CPU, the same on every rank of the node."""
@@ -109,6 +112,7 @@ class NodeTextEncoder:
         """On ``src``: ([L, C, tokens], features [L, C] float32)."""
         with self.placed.use():
             res = self.encoder.encode_batch([text])
+        self.runs += 1
         kept, count = res.lengths[0], res.token_counts[0]
         feats = res.features[0, :kept].float()
         return [kept, feats.shape[1], count], feats
