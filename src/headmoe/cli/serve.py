@@ -82,7 +82,8 @@ def register(subparsers: Any) -> None:
 GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
                  "video_decoder": None, "offload": False, "offload_layers": False,
                  "resident_layers": 0, **{name: None for name in INPUT_FIELDS}, "prompt": "",
-                 "height": 16, "width": 16, "num_frames": 1}
+                 "height": 16, "width": 16, "num_frames": 1, "image": None,
+                 "image_encoder": None}
 
 
 def _check_output_dir(value: str) -> str:
@@ -149,20 +150,6 @@ def _api_key(args: argparse.Namespace) -> None:
             raise ValueError(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty (leave it out for no authentication)")
-
-
-def _port_free(host: str, port: int) -> bool:
-    """Try to listen on ``host:port`` before any rank starts or any weight loads (rank 0
-    binds it for real later); print one line and return False when that fails."""
-    from headmoe.serve.worker import bind
-
-    try:
-        bind(host, port).close()
-    except OSError as exc:
-        print(f"headmoe serve: error: {exc} (--host {host} --port {port}), pick another "
-              "--port or stop the process that holds it", file=sys.stderr)
-        return False
-    return True
 
 
 def _port_free(host: str, port: int) -> bool:
