@@ -35,6 +35,14 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def set_rank_threads(local_ranks: int) -> None:
+    """On a CPU host, give this rank ``cpu_count // local_ranks`` torch threads (at least 1),
+    so the ranks of a node share its cores; on CUDA nothing (the GPU does the work). The one
+    home of this rule (launched `generate` ranks and `serve` ranks call it)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+
+
 @dataclass
 class ParallelContext:
     """This rank's view of a job: its topology, coordinates and process groups.

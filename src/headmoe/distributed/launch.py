@@ -24,6 +24,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from headmoe.config import is_int
+
 #: prctl option: the signal a process receives when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
 
@@ -98,7 +100,7 @@ def launch_local(
     group with ``init_method="env://"``. Raises `ValueError` for ``nproc < 1`` and
     `LaunchFailure` if any rank fails (the others are then stopped).
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    if not is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     config = LaunchConfig(
         min_nodes=1,

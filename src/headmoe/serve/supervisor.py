@@ -37,15 +37,14 @@ def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, err
     """Spawned rank: run `serve_rank`; on an exception write ``<errors>/rank<k>.txt``
     (time, traceback) and exit 1 (the supervisor prints the traceback of the rank that
     failed first, not the cascade of peers that lost it)."""
-    import torch
 
+    from headmoe.distributed.context import set_rank_threads
     from headmoe.distributed.launch import exit_with_parent
     from headmoe.serve.worker import serve_rank
 
     exit_with_parent()  # a kill -9 of the supervisor ends every rank at once (port freed)
     os.environ["LOCAL_RANK"] = str(rank)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    set_rank_threads(world_size)
     try:
         serve_rank(spec, rank, world_size, init_method, supervised=True)
     except BaseException:  # noqa: BLE001 - the supervisor prints the first failure's
