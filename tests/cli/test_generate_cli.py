@@ -44,7 +44,10 @@ HEADMOE = str(Path(sys.executable).with_name("headmoe"))
         (["--num-inference-steps", "0"], "--num-inference-steps must be a positive int"),
         (["--output", "x.avi"], "--output must end in .mp4"),
         (["--model", "nowhere.safetensors"], "--model must be 'tiny', a release folder or an existing"),
-        (["--timeout", "0"], "--timeout must be > 0"),
+        (["--timeout", "0"], "--timeout must be >= 1 seconds"),
+        (["--timeout", "0.001"], "--timeout must be >= 1 seconds (it also bounds joining the "
+                                 "ranks), got 0.001"),
+        (["--timeout", "nan"], "--timeout must be >= 1 seconds"),
     ],
 )
 def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, monkeypatch):

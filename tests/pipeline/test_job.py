@@ -154,9 +154,9 @@ def test_audio_samples_of_a_clip():
         short.audio_samples(44100)
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), True, "60"])
+@pytest.mark.parametrize("timeout", [0, -1.0, 0.001, float("inf"), True, "60"])
 def test_job_rejects_bad_timeout(timeout):
-    with pytest.raises(ValueError, match=f"timeout_s must be a positive finite .* got {timeout!r}"):
+    with pytest.raises(ValueError, match=f"timeout must be a finite .* >= 1 .* got {timeout!r}"):
         GenerateJob(REQ, ParallelConfig(), None, "", None, timeout_s=timeout)
 
 

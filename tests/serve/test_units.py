@@ -25,7 +25,7 @@ from tests.pipeline.fake import fake_components
     (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
     (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
     (["--drain-timeout", "0"], "--drain-timeout must be > 0 seconds"),
-    (["--timeout", "-1"], "--timeout must be > 0"),
+    (["--timeout", "-1"], "--timeout must be >= 1 seconds"),
     (["--memory-gib", "0.001"], "the model needs an estimated"),
     (["--api-key-file", "/nonexistent/key"], "--api-key-file '/nonexistent/key': No such file"),
     (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),

@@ -29,6 +29,7 @@ from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
+from headmoe.pipeline.job import MIN_TIMEOUT_S
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.release import VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
@@ -278,8 +279,9 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
             )
         plan_topology(world, parallel)
         checks.check_noise_device(request.noise_device)
-        if args.timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {args.timeout!r}")
+        if not args.timeout >= MIN_TIMEOUT_S:  # NaN too
+            raise ValueError(f"timeout must be >= {MIN_TIMEOUT_S:g} seconds (it also bounds "
+                             f"joining the ranks), got {args.timeout!r}")
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
@@ -358,7 +360,7 @@ def _checked_model(args: argparse.Namespace, request: GenerateRequest,
         if args.check_weights:
             checks.scan_weights(checkpoint, headers, report.prefix)
             if release is not None:
-                checks.scan_decoders(release)
+                checks.scan_components(release)
     return model_config, checkpoint, release
 
 

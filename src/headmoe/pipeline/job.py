@@ -66,6 +66,9 @@ from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedul
 from headmoe.pipeline.seeding import seeded_generator
 from headmoe.pipeline.video_latents import frame_count
 
+#: the shortest collective timeout (s): below it the ranks cannot even join the group
+MIN_TIMEOUT_S = 1.0
+
 
 @dataclass(frozen=True)
 class GenerateJob:
@@ -106,8 +109,9 @@ class GenerateJob:
 
     def __post_init__(self) -> None:
         t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
-            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, int | float) or not MIN_TIMEOUT_S <= t < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds >= {MIN_TIMEOUT_S:g} "
+                             f"(it also bounds joining the ranks), got {t!r}")
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:
