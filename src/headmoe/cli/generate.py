@@ -25,13 +25,13 @@ from typing import Any
 from headmoe.cli import checks
 from headmoe.cli.plan import add_stream_arguments
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
-from headmoe.distributed.launch import launch_local, torchrun_env
+from headmoe.distributed.launch import launch_local, set_rank_threads, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
 from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
 from headmoe.pipeline.job import MIN_TIMEOUT_S
 from headmoe.pipeline.refine import RefinerStage
-from headmoe.pipeline.release import VIDEO_DECODERS
+from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE, VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
@@ -403,11 +403,18 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     job, world = build_job(args)  # ValueError: bad input, reported by headmoe.cli.errors
     env = torchrun_env()
+    if env is None or env.rank == 0:
+        if args.model == "tiny":
+            print(f"headmoe: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
+        if not args.no_progress:
+            print(f"headmoe: checked the request and the model; starting {world} rank(s)",
+                  file=sys.stderr, flush=True)
     if env is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         results = [record(launched_rank)(job)]
     elif world == 1:
+        set_rank_threads(1)  # the cores this process may use, not the machine's
         ctx = ParallelContext.single(job.parallel)
         if torch.cuda.is_available():  # where launched ranks run too (NCCL, cuda)
             ctx.device = torch.device("cuda", torch.cuda.current_device())

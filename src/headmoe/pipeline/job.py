@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
-from headmoe.distributed.launch import torchrun_env
+from headmoe.distributed.launch import set_rank_threads, torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput
 from headmoe.models.streaming import split_layers
@@ -404,14 +404,13 @@ def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: 
 def launched_rank(job: GenerateJob) -> dict[str, Any]:
     """Entry point of a rank started by `launch_local` or torchrun: joins the world from
     the environment (Gloo on CPU, NCCL on GPU with device LOCAL_RANK; on CPU
-    ``cpu_count // LOCAL_WORLD_SIZE`` torch threads), with ``job.timeout_s`` bounding every
-    collective, runs `run_job` and tears the groups down."""
+    `set_rank_threads`: the available cores // LOCAL_WORLD_SIZE torch threads), with
+    ``job.timeout_s`` bounding every collective, runs `run_job` and tears the groups down."""
     env = torchrun_env()
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
     interrupt_once()
-    if not torch.cuda.is_available():  # on CUDA, `initialize` makes cuda:LOCAL_RANK current
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    set_rank_threads(env.local_world_size)  # CPU only; on CUDA `initialize` picks the device
     ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
     store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
     try:

@@ -1,7 +1,7 @@
 """Local ranks of ``headmoe serve`` in spawned processes, watched by the launching process.
 
 `run_local` starts ``world_size`` processes (spawn start method; a file rendezvous in a
-fresh temp folder; on CPU ``cpu_count // world_size`` torch threads each) that run
+fresh temp folder; on CPU `set_rank_threads` gives each its share of the cores) that run
 `headmoe.serve.worker.serve_rank`, then watches them every 0.1 s:
 
 - every rank exited 0 (a drained stop): return 0;
@@ -37,15 +37,13 @@ def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, err
     """Spawned rank: run `serve_rank`; on an exception write ``<errors>/rank<k>.txt``
     (time, traceback) and exit 1 (the supervisor prints the traceback of the rank that
     failed first, not the cascade of peers that lost it)."""
-    import torch
 
-    from headmoe.distributed.launch import exit_with_parent
+    from headmoe.distributed.launch import exit_with_parent, set_rank_threads
     from headmoe.serve.worker import serve_rank
 
     exit_with_parent()  # a kill -9 of the supervisor ends every rank at once (port freed)
     os.environ["LOCAL_RANK"] = str(rank)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    set_rank_threads(world_size)
     try:
         serve_rank(spec, rank, world_size, init_method, supervised=True)
     except BaseException:  # noqa: BLE001 - the supervisor prints the first failure's
