@@ -230,13 +230,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {', '.join(table)}")  # fmt: skip
     parser.add_argument("--smem-limit", type=int, default=SMEM_LIMIT,
                         help="shared memory per block of the target device, bytes")  # fmt: skip
+    parser.add_argument("--capability", type=int, default=90,
+                        help="CUDA compute capability to compile for, e.g. 90 (sm_90a)")
     args = parser.parse_args(argv)
     names = args.kernels.split(",")
     for name in names:
         if name not in table:
             raise ValueError(f"--kernels: unknown kernel {name!r}, expected one of {list(table)}")
     os.environ.pop("TRITON_INTERPRET", None)
-    found = check_all(names, smem_limit=args.smem_limit)
+    found = check_all(names, args.capability, args.smem_limit)
     for line in found:
         print("compile_check FAILED: " + line, file=sys.stderr)
     return 1 if found else 0

@@ -1,25 +1,38 @@
-"""One-GPU check of headmoe's Triton path (issue 14), in one run of under 8 minutes:
+"""One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
+seconds (default 360) that cannot stop half-way without a report.
 
-(a) the kernels against the torch paths and bit-identical rows across batchings, in bf16
-    on the device (routing, experts, attention, and the MoE layer's dispatch);
-(b) the MoE experts at MAGI-2 EP4 per-rank shapes (3 heads x 256 experts, 256 -> 1280 ->
-    256, top-6, 14,836 and 29,672 tokens, bf16) in TFLOP/s and % of the H200's dense bf16
-    peak, beside the per-group loop (`experts_grouped` on CUDA) and a dense-GEMM bound of
-    the same FLOPs (cuBLAS bf16 GEMMs of the same M, N, K), timed in the same run;
-(c) sink attention at 272p per-rank shapes (Ulysses SP8: 3 heads of 128, 2 segments of
-    14,836 tokens) in TFLOP/s, beside torch SDPA (no sink) on the same shapes;
-(d) one layer-shaped workload at SP8/EP4 per-rank shapes, self-contained (the model code
-    is being rewritten): RMSNorm, linear_qkv, attention over the full sequence for the
-    rank's 3 heads, linear_proj, split_linear, the MoE for the rank's 3 heads of 4 ranks'
-    tokens, merge_linear and the shared experts, in ms; no collectives (one GPU);
-(e) a table on stdout and in the markdown file `--out`.
+First the environment (device name, versions, clocks), then six sections, each in its own
+try/except, the markdown file `--out` rewritten (atomically) after every section, so a
+failure or the budget running out loses only the rest of that section:
 
-Targets (printed as ratios, never asserted by timed tests): experts >= 30% of peak at
-29,672 tokens and >= 10x the per-group loop; attention >= 40% of peak; every invariance
-check bit-identical. The exit status is 1 when a correctness or invariance check fails.
+(0) compile: every kernel compiled for this device's capability by
+    benchmarks/compile_check.py: registers, spills and shared memory against the device's
+    shared-memory limit per block (a kernel over it would fail at launch);
+(a) bf16 correctness and row invariance of every kernel: routing, experts (and NaN rows),
+    the MoE layer's dispatch, attention, the dense GEMM and RMSNorm, against torch;
+(b) the dense-op invariance probe: rows of `bi_linear`, `bi_matmul` and `rms_norm` at
+    every position tried for M in 1, 7, 16, 3709, 3710, 14836 against the same rows alone,
+    and cuBLAS (`F.linear`) on the same probe for comparison;
+(c) the MoE experts at MAGI-2 EP4 per-rank shapes (3 heads x 256 experts, 256 -> 1280 ->
+    256, top-6, 14,836 and 29,672 tokens): TFLOP/s, a per-kernel table (torch.profiler),
+    the gather A/B (row gather vs offsets, timed, with a bit-equality check),
+    `torch._grouped_mm` bf16 on the same routes as the baseline, peak memory, and the
+    registers / spills / shared memory of the kernels the device compiled;
+(d) sink attention at 272p per-rank shapes (Ulysses SP8: 3 heads of 128, 2 segments of
+    14,836 tokens) beside SDPA's flash and cuDNN backends (no sink) on the same shapes;
+(e) one layer-shaped workload at SP8/EP4 per-rank shapes (no collectives): RMSNorm and the
+    linears through headmoe's batch-invariant ops, attention, routing + experts, beside
+    the same steps with cuBLAS linears and torch RMSNorm.
+
+Exit status 0 when every check passed, 1 when a check or a section failed or the budget
+ran out, 2 without a CUDA device. Targets (ratios in the table, never asserted by timed
+tests): experts >= 30% of the H200's dense bf16 peak at 29,672 tokens and >= 2x
+`torch._grouped_mm`; attention >= 40% of peak; every invariance row "0 rows differ".
 
 `--dry-run`: tiny shapes on the CPU under Triton's interpreter (fp32, the row-local dot of
-`headmoe.layers.triton_runtime`), every code path except the timing.
+`headmoe.layers.triton_runtime`), every code path without timing. `--inject-failure S`
+(repeatable) makes section S raise at its start, to test the report (tests/moe/
+test_gpu_check.py).
 
     benchmarks/gpu_check.sh --out gpu_check.md
     benchmarks/gpu_check.sh --dry-run --out /tmp/gpu_check_dry.md
@@ -31,38 +44,45 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import platform
+import re
 import statistics
+import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from headmoe.layers import triton_runtime
-from headmoe.layers.activations import swiglu7
-from headmoe.layers.triton_attention import (
-    DEFAULT_ATTENTION_TILES,
-    AttentionTiles,
-    triton_segment_attention,
-    triton_sink_attention,
-)
-from headmoe.moe import MoEConfig, MultiHeadMoE, experts_grouped, experts_reference, route
-from headmoe.moe.triton_moe import DEFAULT_TILES, MoETiles, experts_triton, route_triton
+from benchmarks import compile_check
+from headmoe.files import atomic_write
+from headmoe.layers import norms, triton_dense, triton_runtime
+from headmoe.layers.activations import swiglu7, swiglu7_
+from headmoe.layers.matmul import bi_linear, bi_matmul
+from headmoe.layers.triton_attention import triton_segment_attention, triton_sink_attention
+from headmoe.moe import MoEConfig, MultiHeadMoE, experts_reference, route
+from headmoe.moe.experts import combine
+from headmoe.moe.routing import route_groups
+from headmoe.moe.triton_moe import DEFAULT_TILES, experts_triton, route_triton
 
+ROOT = Path(__file__).resolve().parents[1]
 #: H200 dense bf16 tensor-core peak, TFLOP/s
 PEAK_TFLOPS = 989.0
-#: other fixed tiles timed beside the defaults (tuning data only; the defaults stay fixed).
-#: A dry run takes the first of each.
-MOE_SWEEP = (
-    dataclasses.replace(DEFAULT_TILES, num_stages=4),
-    dataclasses.replace(DEFAULT_TILES, block_m=64, num_warps=4),
-    dataclasses.replace(DEFAULT_TILES, down_n=128),
-)
-ATTENTION_SWEEP = (
-    AttentionTiles(block_m=128, block_n=128, num_warps=8, num_stages=2),
-    AttentionTiles(block_m=128, block_n=64, num_warps=4, num_stages=3),
-)
+#: the row counts of the dense probe (issue 21 point 1)
+ROW_COUNTS = (1, 7, 16, 3709, 3710, 14836)
+#: the sections, in run order
+SECTIONS = {
+    "0": "compile: registers, spills, shared memory vs the device limit",
+    "a": "bf16 correctness and row invariance of every kernel",
+    "b": "dense-op invariance probe",
+    "c": "MoE experts: speed, per-kernel table, gather A/B, grouped_mm baseline, memory",
+    "d": "attention vs SDPA flash / cuDNN",
+    "e": "layer-shaped workload",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +90,8 @@ class Shapes:
     """Per-rank sizes: MoE heads x experts, head dim d, expert width f, top-k, token counts
     (moe_tokens timed, check_tokens for the checks); attention heads x head_dim over
     `segments` segments of `segment` tokens; hidden size C, shared-expert width, tokens of
-    the rank (t_local) and the EP degree (MoE rows = ep * t_local)."""
+    the rank (t_local), the EP degree (MoE rows = ep * t_local), mHC streams; reps: timed
+    repetitions; compile: the kernels of section (0)."""
 
     heads: int
     experts: int
@@ -87,21 +108,74 @@ class Shapes:
     shared: int
     t_local: int
     ep: int
+    streams: int
     reps: int
+    compile: tuple[str, ...]
+    probe_rows: tuple[int, ...]
 
 
 FULL = Shapes(3, 256, 256, 1280, 6, (14_836, 29_672), 4096, 3, 128, 14_836, 2, 3072, 2560,
-              3709, 4, 5)  # fmt: skip
-DRY = Shapes(3, 4, 64, 128, 2, (40, 80), 96, 3, 16, 40, 2, 64, 64, 10, 4, 0)
+              3709, 4, 4, 5, tuple(compile_check.specs()), ROW_COUNTS)  # fmt: skip
+#: the dry run probes small M only (the same code path; tests/layers/test_triton_dense.py
+#: runs every M of ROW_COUNTS under the interpreter)
+DRY = Shapes(3, 4, 64, 128, 2, (40, 80), 96, 3, 16, 40, 2, 64, 64, 10, 4, 4, 0, ("combine",),
+             (1, 7, 16, 37))  # fmt: skip
+
+
+class OutOfBudget(Exception):
+    """The run's `--budget-s` is spent: the section stops, the report says so."""
+
+
+@dataclasses.dataclass
+class Ctx:
+    """What every section needs: device, dtype, shapes, timing and the report."""
+
+    dry: bool
+    device: str
+    dtype: torch.dtype
+    sh: Shapes
+    deadline: float
+    report: Report
+
+    def check_budget(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise OutOfBudget
+
+    def time(self, fn: Callable[[], Any], reps: int | None = None) -> float | None:
+        """Median ms of `reps` (default `sh.reps`) CUDA-event-timed calls after two warm-up
+        calls; in a dry run one untimed call and None. Raises OutOfBudget past the deadline."""
+        self.check_budget()
+        if self.dry:
+            fn()
+            return None
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(reps or self.sh.reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        return statistics.median(times)
+
+    def randn(self, *shape: int, scale: float = 1.0, dtype: torch.dtype | None = None,
+              gen: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+        """Random normal `shape` * scale on the device, in `dtype` (default: the run's)."""
+        t = torch.randn(*shape, generator=gen, device=self.device) * scale
+        return t.to(dtype or self.dtype)
 
 
 @dataclasses.dataclass
 class Report:
-    """Rows of the result table: (section, item, shape, value, target, ok or None)."""
+    """The header lines and the rows (section, item, shape, value, target, ok or None)."""
 
+    header: list[str] = dataclasses.field(default_factory=list)
     rows: list[tuple[str, str, str, str, str, bool | None]] = dataclasses.field(
         default_factory=list
     )
+    status: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def add(self, section: str, item: str, shape: str, value: str, target: str = "",
             ok: bool | None = None) -> None:  # fmt: skip
@@ -110,62 +184,44 @@ class Report:
         print(f"[{section}] {item} ({shape}): {value} {target} {mark}".rstrip(), flush=True)
 
     def markdown(self) -> str:
-        lines = ["| | check | shape | result | target | |", "|---|---|---|---|---|---|"]
+        lines = [*self.header, "", "| section | status |", "|---|---|"]
+        lines += [f"| {k} {SECTIONS[k]} | {self.status.get(k, 'not run')} |" for k in SECTIONS]
+        lines += ["", "| | check | shape | result | target | |", "|---|---|---|---|---|---|"]
         for section, item, shape, value, target, ok in self.rows:
             mark = {True: "ok", False: "**FAIL**", None: ""}[ok]
             lines.append(f"| {section} | {item} | {shape} | {value} | {target} | {mark} |")
         return "\n".join(lines) + "\n"
 
-    def failed_checks(self) -> list[str]:
-        return [r[1] for r in self.rows if r[0] == "a" and r[5] is False]
+    def write(self, path: Path) -> None:
+        """Rewrite `path` atomically with the report so far."""
+        text = self.markdown()
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
-
-class Timer:
-    """Median milliseconds of `reps` CUDA-event-timed calls after two warm-up calls; in a
-    dry run one untimed call and None."""
-
-    def __init__(self, dry: bool, reps: int):
-        self.dry, self.reps = dry, reps
-
-    def __call__(self, fn: Callable[[], Any]) -> float | None:
-        if self.dry:
-            fn()
-            return None
-        cuda = torch.cuda
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(self.reps):
-            start, stop = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        return statistics.median(times)
+    def failures(self) -> list[str]:
+        bad = [f"{r[0]}: {r[1]}" for r in self.rows if r[5] is False]
+        return bad + [f"section {k}: {v}" for k, v in self.status.items() if not v.startswith("ok")]
 
 
 def tflops(flop: float, ms: float | None) -> str:
-    """`flop` over `ms` as "x TFLOP/s (y% of peak)", or "ran (dry)"."""
+    """`flop` over `ms` as "x TFLOP/s (y% of peak), z ms", or "ran (dry)"."""
     if ms is None:
         return "ran (dry)"
     t = flop / ms / 1e9
     return f"{t:,.1f} TFLOP/s ({100 * t / PEAK_TFLOPS:.1f}% of {PEAK_TFLOPS:.0f}), {ms:.3f} ms"
 
 
-def tile_text(tiles: MoETiles | AttentionTiles) -> str:
-    """The fields of `tiles` that differ from the defaults, as "name=value" pairs."""
-    default = DEFAULT_TILES if isinstance(tiles, MoETiles) else DEFAULT_ATTENTION_TILES
-    diff = [f"{f.name}={getattr(tiles, f.name)}" for f in dataclasses.fields(tiles)
-            if getattr(tiles, f.name) != getattr(default, f.name)]  # fmt: skip
-    return ", ".join(diff)
+def ms_text(ms: float | None) -> str:
+    return "ran (dry)" if ms is None else f"{ms:.3f} ms"
 
 
-def mismatched_rows(a: Any, b: Any) -> int:
-    """Rows (first dim) of a and b that are not bit-identical."""
+def mismatched_rows(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Rows (first dim) of a and b that are not bit-identical (NaN rows compare by bits)."""
     if a.shape != b.shape:
         return a.shape[0] if a.dim() else 1
-    return int((~(a == b).reshape(a.shape[0], -1).all(1)).sum()) if a.numel() else 0
+    if not a.numel():
+        return 0
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if a.is_floating_point() else a == b
+    return int((~same.reshape(a.shape[0], -1).all(1)).sum())
 
 
 @contextlib.contextmanager
@@ -180,23 +236,86 @@ def forced_triton(on: bool) -> Iterator[None]:
         triton_runtime.use_triton = real
 
 
+# ---------------------------------------------------------------------------- environment
+def environment(ctx: Ctx) -> list[str]:
+    """Header lines: device name, versions, clocks (each item guarded: a failing query
+    prints its error instead of stopping the run)."""
+    import triton
+
+    lines = [f"# GPU check ({'dry run: tiny shapes, fp32, no timing' if ctx.dry else 'bf16'})",
+             "", f"- date: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+             f"- python {platform.python_version()}, torch {torch.__version__}, triton "
+             f"{triton.__version__}, CUDA runtime {torch.version.cuda}"]  # fmt: skip
+    if ctx.dry:
+        return [*lines, "- device: CPU (Triton interpreter)"]
+    try:
+        p = torch.cuda.get_device_properties(0)
+        lines.append(f"- device: {p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs, "
+                     f"{p.total_memory / 2**30:.1f} GiB, shared memory per block (opt-in) "
+                     f"{p.shared_memory_per_block_optin:,} B")  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - reported, the run goes on
+        lines.append(f"- device: query failed: {e!r}")
+    query = "name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu"
+    try:
+        smi = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv"],
+                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        lines.append("- nvidia-smi: " + " / ".join(smi.stdout.strip().splitlines()))
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"- nvidia-smi: failed: {e!r}")
+    return lines
+
+
+# ---------------------------------------------------------------------------- (0) compile
+def section_compile(ctx: Ctx) -> None:
+    """compile_check.py in a fresh process (compiled kernels, not the interpreter), for this
+    device's capability and shared-memory limit; one row per kernel."""
+    if ctx.dry:
+        cap, limit = 90, compile_check.SMEM_LIMIT
+    else:
+        major, minor = torch.cuda.get_device_capability()
+        cap = 10 * major + minor
+        limit = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH", "")])
+    timeout = max(10.0, ctx.deadline - time.monotonic())
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_check.py"), "--kernels",
+         ",".join(ctx.sh.compile), "--smem-limit", str(limit), "--capability", str(cap)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    lines = {x.split()[0]: x for x in run.stdout.splitlines() if x.strip()}
+    for name in ctx.sh.compile:
+        line = lines.get(name, "no output")
+        shared = re.search(r"shared=([\d,]+)/", line)
+        bad = [x for x in run.stderr.splitlines() if f"FAILED: {name}:" in x]
+        ctx.report.add("0", f"compile {name} for sm_{cap}", f"limit {limit:,} B",
+                       " ".join(line.split()[1:]), f"shared <= {limit:,} B, no spills",
+                       bool(shared) and not bad)  # fmt: skip
+    if run.returncode not in (0, 1):
+        raise RuntimeError(f"compile_check exited {run.returncode}: {run.stderr[-1500:]}")
+
+
 # ---------------------------------------------------------------------------- inputs
-def moe_inputs(sh: Shapes, n: int, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    """Random MoE inputs on the current device: z `[n, heads, d]`, an fp32 router (gate,
-    bias) and expert weights in `dtype`, scaled like a trained layer's."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+def moe_inputs(ctx: Ctx, n: int, seed: int) -> dict[str, Any]:
+    """Random MoE inputs: z `[n, heads, d]`, an fp32 router (gate, bias) and expert weights
+    in the run's dtype, scaled like a trained layer's."""
+    g = torch.Generator(device=ctx.device).manual_seed(seed)
+    sh = ctx.sh
     rows, d, f = sh.heads * sh.experts, sh.d, sh.f
-
-    def rnd(*shape: int, scale: float = 1.0, dt: torch.dtype = dtype) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dt)
-
     return {
-        "z": rnd(n, sh.heads, d),
-        "gate": rnd(rows, d, scale=d**-0.5, dt=torch.float32),
-        "bias": rnd(rows, scale=0.05, dt=torch.float32),
-        "weights": [rnd(rows, d, f, scale=d**-0.5), rnd(rows, d, f, scale=d**-0.5),
-                    rnd(rows, f, d, scale=f**-0.5)],
+        "z": ctx.randn(n, sh.heads, d, gen=g),
+        "gate": ctx.randn(rows, d, scale=d**-0.5, dtype=torch.float32, gen=g),
+        "bias": ctx.randn(rows, scale=0.05, dtype=torch.float32, gen=g),
+        "weights": [ctx.randn(rows, d, f, scale=d**-0.5, gen=g),
+                    ctx.randn(rows, d, f, scale=d**-0.5, gen=g),
+                    ctx.randn(rows, f, d, scale=f**-0.5, gen=g)],
     }  # fmt: skip
+
+
+def routes(ctx: Ctx, inp: dict[str, Any], z: torch.Tensor | None = None):
+    """Triton routes `(ids, weights)` of `z` (default inp's z) with inp's router."""
+    z = inp["z"] if z is None else z
+    return route_triton(z, inp["gate"], inp["bias"], ctx.sh.top_k, 4.9)
 
 
 def attention_reference(q, k, v, sinks, scale):
@@ -210,30 +329,24 @@ def attention_reference(q, k, v, sinks, scale):
     return torch.einsum("hqk,khd->qhd", p, vf)
 
 
-def group_sizes(ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """Rows per (head, expert) group of routes `[N, h, k]`, non-empty groups only."""
-    heads = torch.arange(ids.shape[1], device=ids.device).view(1, -1, 1)
-    counts = torch.bincount((ids + heads * experts).reshape(-1))
-    return counts[counts > 0]
-
-
 # ---------------------------------------------------------------------------- (a) checks
-def check_routing(rep: Report, sh: Shapes, inp: dict[str, Any]) -> tuple[Any, Any]:
+def check_routing(ctx: Ctx, inp: dict[str, Any]) -> tuple[Any, Any]:
     """Triton routing against torch's `route` on the same device; returns torch's routes."""
-    z, n = inp["z"], inp["z"].shape[0]
+    sh, z = ctx.sh, inp["z"]
     ids, w = route(z, inp["gate"], inp["bias"], sh.top_k, 4.9)
-    tids, tw = route_triton(z, inp["gate"], inp["bias"], sh.top_k, 4.9)
+    tids, tw = routes(ctx, inp)
     same = (tids == ids).all(-1)
     share = float(same.float().mean())
     err = float((tw - w).abs()[same].max()) if bool(same.any()) else float("inf")
-    shape = f"{n} tok x {sh.heads} heads x {sh.experts} experts, top-{sh.top_k}"
-    rep.add("a", "routing: same experts as torch route", shape, f"{100 * share:.3f}% of rows",
-            ">= 99.9%", share >= 0.999)  # fmt: skip
-    rep.add("a", "routing: weight error where same", shape, f"{err:.2e}", "<= 1e-5", err <= 1e-5)
+    shape = f"{z.shape[0]} tok x {sh.heads} heads x {sh.experts} experts, top-{sh.top_k}"
+    ctx.report.add("a", "routing: same experts as torch route", shape,
+                   f"{100 * share:.3f}% of rows", ">= 99.9%", share >= 0.999)  # fmt: skip
+    ctx.report.add("a", "routing: weight error where same", shape, f"{err:.2e}", "<= 1e-5",
+                   err <= 1e-5)  # fmt: skip
     return ids, w
 
 
-def check_experts(rep: Report, sh: Shapes, inp: dict[str, Any], ids, w) -> None:
+def check_experts(ctx: Ctx, inp: dict[str, Any], ids, w) -> None:
     """Triton experts against the reference loop, and bit-identical rows across batchings."""
     z, wts, n = inp["z"], inp["weights"], inp["z"].shape[0]
     full = experts_triton(z, ids, w, *wts)
@@ -241,67 +354,80 @@ def check_experts(rep: Report, sh: Shapes, inp: dict[str, Any], ids, w) -> None:
     rel = float((full.float() - ref).abs().max() / ref.abs().max())
     shape = f"{n} tok, {z.dtype}".replace("torch.", "")
     tol = 2e-2 if z.dtype == torch.bfloat16 else 1e-4
-    rep.add("a", "experts vs reference loop (max err / max)", shape, f"{rel:.2e}",
-            f"<= {tol:g}", rel <= tol)  # fmt: skip
+    ctx.report.add("a", "experts vs reference loop (max err / max)", shape, f"{rel:.2e}",
+                   f"<= {tol:g}", rel <= tol)  # fmt: skip
     g = torch.Generator().manual_seed(1)
-    bad, sizes = 0, []
-    fids, fw = route_triton(z, inp["gate"], inp["bias"], sh.top_k, 4.9)
+    bad = 0
+    fids, fw = routes(ctx, inp)
     for m in (1, 5, 37, n // 8, n // 3, n - 1):
         idx = torch.randperm(n, generator=g)[:m].to(z.device)
-        sizes.append(group_sizes(ids[idx], sh.experts))
         bad += mismatched_rows(experts_triton(z[idx], ids[idx], w[idx], *wts), full[idx])
-        tids, tw = route_triton(z[idx], inp["gate"], inp["bias"], sh.top_k, 4.9)
+        tids, tw = routes(ctx, inp, z[idx])
         bad += mismatched_rows(tids, fids[idx]) + mismatched_rows(tw, fw[idx])
-    other = moe_inputs(sh, n // 2 + 3, z.dtype, seed=9)
-    oids, ow = route(other["z"], inp["gate"], inp["bias"], sh.top_k, 4.9)
+    other = moe_inputs(ctx, n // 2 + 3, seed=9)
+    oids, ow = route(other["z"], inp["gate"], inp["bias"], ctx.sh.top_k, 4.9)
     both = experts_triton(torch.cat([other["z"], z]), torch.cat([oids, ids]),
                           torch.cat([ow, w]), *wts)  # fmt: skip
-    bad += mismatched_rows(both[other["z"].shape[0]:], full)
-    s = torch.cat(sizes)
-    rep.add("a", "experts+routing rows bit-identical (6 random sub-batches, permuted, and a "
-            "concatenation)", f"{shape}, groups of {int(s.min())}..{int(s.max())} rows",
-            f"{bad} rows differ", "0", bad == 0)  # fmt: skip
+    bad += mismatched_rows(both[other["z"].shape[0] :], full)
+    ctx.report.add("a", "experts+routing rows bit-identical (6 random sub-batches, permuted, "
+                   "and a concatenation)", shape, f"{bad} rows differ", "0", bad == 0)  # fmt: skip
 
 
-def check_layer_dispatch(rep: Report, sh: Shapes, dtype: torch.dtype, dry: bool) -> None:
+def check_nan_rows(ctx: Ctx, inp: dict[str, Any]) -> None:
+    """NaN router inputs on every head (the last included): valid expert ids, no device
+    assert, the other rows unchanged."""
+    z = inp["z"][:64].clone()
+    for hd in range(ctx.sh.heads):
+        z[hd, hd] = float("nan")
+    ids, w = routes(ctx, inp, z)
+    ok_ids = int(ids.min()) >= 0 and int(ids.max()) < ctx.sh.experts
+    out = experts_triton(z, ids, w, *inp["weights"])
+    clean = experts_triton(z[ctx.sh.heads :], ids[ctx.sh.heads :], w[ctx.sh.heads :],
+                           *inp["weights"])  # fmt: skip
+    bad = mismatched_rows(out[ctx.sh.heads :], clean)
+    ctx.report.add("a", "NaN rows on every head: ids in [0, E), other rows unchanged",
+                   f"{ctx.sh.heads} NaN rows in 64", f"ids ok={ok_ids}, {bad} rows differ",
+                   "ids ok, 0", ok_ids and bad == 0)  # fmt: skip
+
+
+def check_layer_dispatch(ctx: Ctx) -> None:
     """`MultiHeadMoE` on this device takes the Triton path: same bits as the kernels."""
+    sh = ctx.sh
     cfg = MoEConfig(hidden_size=sh.heads * sh.d, num_heads=sh.heads, num_experts=sh.experts,
                     top_k=sh.top_k, expert_intermediate_size=sh.f, route_scale=4.9,
-                    dtype=dtype)  # fmt: skip
-    inp = moe_inputs(sh, 64, dtype, seed=3)
-    moe = MultiHeadMoE(cfg).to(DEVICE)
+                    dtype=ctx.dtype)  # fmt: skip
+    inp = moe_inputs(ctx, 64, seed=3)
+    moe = MultiHeadMoE(cfg).to(ctx.device)
     for p, src in zip((moe.W_gate, moe.W_up, moe.W_down), inp["weights"]):
         p.copy_(src)
     moe.gate.copy_(inp["gate"])
     moe.router.expert_bias.copy_(inp["bias"])
-    with forced_triton(dry):
+    with forced_triton(ctx.dry):
         got = moe(inp["z"].reshape(64, -1)).view(64, sh.heads, sh.d)
-    ids, w = route_triton(inp["z"], inp["gate"], inp["bias"], sh.top_k, 4.9)
-    want = experts_triton(inp["z"], ids, w, *inp["weights"])
-    bad = mismatched_rows(got, want)
-    rep.add("a", "MultiHeadMoE on this device = Triton kernels", "64 tok", f"{bad} rows differ",
-            "0", bad == 0)  # fmt: skip
+    ids, w = routes(ctx, inp)
+    bad = mismatched_rows(got, experts_triton(inp["z"], ids, w, *inp["weights"]))
+    ctx.report.add("a", "MultiHeadMoE on this device = Triton kernels", "64 tok",
+                   f"{bad} rows differ", "0", bad == 0)  # fmt: skip
 
 
-def check_attention(rep: Report, sh: Shapes, dtype: torch.dtype) -> None:
+def check_attention(ctx: Ctx) -> None:
     """Attention against the fp32 definition; bit-identical query rows across batchings."""
+    sh = ctx.sh
     length, hq, dim = min(sh.segment, 3000), sh.attn_heads, sh.head_dim
-    g = torch.Generator(device=DEVICE).manual_seed(5)
-    q, k, v = (torch.randn(length, hq, dim, generator=g, device=DEVICE).to(dtype)
-               for _ in range(3))  # fmt: skip
-    sinks = torch.randn(hq, generator=g, device=DEVICE)
+    g = torch.Generator(device=ctx.device).manual_seed(5)
+    q, k, v = (ctx.randn(length, hq, dim, gen=g) for _ in range(3))
+    sinks = ctx.randn(hq, dtype=torch.float32, gen=g)
     scale = dim**-0.5
     full = triton_sink_attention(q, k, v, sinks, scale)
-    ref = attention_reference(q, k, v, sinks, scale)
-    err = float((full.float() - ref).abs().max())
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    shape = f"L={length}, {hq} heads x {dim}, {dtype}".replace("torch.", "")
-    rep.add("a", "attention vs fp32 definition (max abs err)", shape, f"{err:.2e}",
-            f"<= {tol:g}", err <= tol)  # fmt: skip
+    err = float((full.float() - attention_reference(q, k, v, sinks, scale)).abs().max())
+    tol = 2e-2 if ctx.dtype == torch.bfloat16 else 1e-4
+    shape = f"L={length}, {hq} heads x {dim}, {ctx.dtype}".replace("torch.", "")
+    ctx.report.add("a", "attention vs fp32 definition (max abs err)", shape, f"{err:.2e}",
+                   f"<= {tol:g}", err <= tol)  # fmt: skip
     bad = 0
     for a, b in ((0, 1), (length // 7, length // 2), (length - 5, length)):
         bad += mismatched_rows(triton_sink_attention(q[a:b], k, v, sinks, scale), full[a:b])
-    idx = torch.randperm(length, generator=torch.Generator().manual_seed(6))[:301].to(DEVICE)
+    idx = torch.randperm(length, generator=torch.Generator().manual_seed(6))[:301].to(q.device)
     bad += mismatched_rows(triton_sink_attention(q[idx], k, v, sinks, scale), full[idx])
     part = triton_sink_attention(q[:, 1:], k[:, 1:], v[:, 1:], sinks[1:], scale)
     bad += mismatched_rows(part, full[:, 1:])
@@ -310,215 +436,361 @@ def check_attention(rep: Report, sh: Shapes, dtype: torch.dtype) -> None:
                                       torch.cat([v[:pre], v]), [(0, pre), (pre, pre + length)],
                                       sinks, scale)  # fmt: skip
     bad += mismatched_rows(packed[pre:], full)
-    rep.add("a", "attention rows bit-identical (query slices, gathered rows, head subset, "
-            "packed after another segment)", shape, f"{bad} rows differ", "0", bad == 0)
+    ctx.report.add("a", "attention rows bit-identical (query slices, gathered rows, head "
+                   "subset, packed after another segment)", shape, f"{bad} rows differ", "0",
+                   bad == 0)  # fmt: skip
 
 
-# ---------------------------------------------------------------------------- (b) MoE
-def dense_bound(routes: int, d: int, f: int, dtype: torch.dtype) -> Callable[[], Any]:
-    """The experts' FLOPs as two dense GEMMs: `[R, d] @ [d, 2f]` and `[R, f] @ [f, d]`."""
-    a = torch.randn(routes, d, device=DEVICE).to(dtype)
-    b = torch.randn(d, 2 * f, device=DEVICE).to(dtype)
-    h = torch.randn(routes, f, device=DEVICE).to(dtype)
-    c = torch.randn(f, d, device=DEVICE).to(dtype)
-    return lambda: (a @ b, h @ c)
+def check_dense(ctx: Ctx) -> None:
+    """The dense GEMM and RMSNorm against fp32 torch, on the layer's hidden size."""
+    c, g = ctx.sh.hidden, torch.Generator(device=ctx.device).manual_seed(8)
+    x, w = ctx.randn(300, c, gen=g), ctx.randn(c, c, scale=c**-0.5, gen=g)
+    got = triton_dense.matmul(x, w.t()).float()
+    ref = x.float() @ w.float().t()
+    rel = float((got - ref).abs().max() / ref.abs().max())
+    tol = 1e-2 if ctx.dtype == torch.bfloat16 else 1e-5
+    shape = f"300 x {c} @ {c} x {c}, {ctx.dtype}".replace("torch.", "")
+    ctx.report.add("a", "dense GEMM vs fp32 (max err / max)", shape, f"{rel:.2e}", f"<= {tol:g}",
+                   rel <= tol)  # fmt: skip
+    nw = ctx.randn(c, scale=0.1, dtype=torch.float32, gen=g)
+    got = triton_dense.rms_norm_rows(x, nw, 1e-6)
+    ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + nw)
+    err = float((got - ref).abs().max())
+    shape = f"300 x {c}, {ctx.dtype}".replace("torch.", "")
+    ctx.report.add("a", "RMSNorm rows vs torch fp32 (max abs err)", shape, f"{err:.2e}",
+                   "<= 1e-4", err <= 1e-4)  # fmt: skip
 
 
-def bench_moe(rep: Report, sh: Shapes, dtype: torch.dtype, timer: Timer) -> None:
-    """Experts (Triton), routing + experts (Triton), the per-group loop and the dense bound."""
-    for n in sh.moe_tokens:
-        inp = moe_inputs(sh, n, dtype, seed=n)
-        z, wts = inp["z"], inp["weights"]
-        ids, w = route_triton(z, inp["gate"], inp["bias"], sh.top_k, 4.9)
-        routes = n * sh.heads * sh.top_k
-        flop = 6.0 * sh.d * sh.f * routes
-        route_flop = 2.0 * n * sh.heads * sh.experts * sh.d
-        shape = f"{n:,} tok x {sh.heads} heads, {sh.experts} experts, top-{sh.top_k}"
-        t_exp = timer(lambda z=z, ids=ids, w=w, wts=wts: experts_triton(z, ids, w, *wts))
-
-        def both(inp: dict[str, Any] = inp) -> Any:
-            ids, w = route_triton(inp["z"], inp["gate"], inp["bias"], sh.top_k, 4.9)
-            return experts_triton(inp["z"], ids, w, *inp["weights"])
-
-        t_all = timer(both)
-        t_route = timer(lambda inp=inp: route_triton(inp["z"], inp["gate"], inp["bias"],
-                                                     sh.top_k, 4.9))  # fmt: skip
-        loop_timer = Timer(timer.dry, max(1, min(timer.reps, 2)))
-        t_loop = loop_timer(lambda z=z, ids=ids, w=w, wts=wts: experts_grouped(z, ids, w, *wts))
-        t_dense = timer(dense_bound(routes, sh.d, sh.f, dtype))
-        big = n == max(sh.moe_tokens)
-        ok = None if t_exp is None else flop / t_exp / 1e9 >= 0.3 * PEAK_TFLOPS
-        rep.add("b", "experts, Triton", shape, tflops(flop, t_exp),
-                ">= 30% of peak" if big else "", ok if big else None)  # fmt: skip
-        rep.add("b", "routing alone, Triton (fp32 IEEE logits)", shape,
-                tflops(route_flop, t_route))  # fmt: skip
-        rep.add("b", "routing + experts, Triton", shape, tflops(flop + route_flop, t_all))
-        rep.add("b", "experts, per-group loop (experts_grouped on this device)", shape,
-                tflops(flop, t_loop))  # fmt: skip
-        dense = f"dense {str(dtype).replace('torch.', '')} GEMMs of the same FLOPs (torch.mm)"
-        rep.add("b", dense, shape, tflops(flop, t_dense))
-        if big:
-            for tiles in MOE_SWEEP[: 1 if timer.dry else None]:
-                ms = timer(lambda tiles=tiles, z=z, ids=ids, w=w, wts=wts: experts_triton(
-                    z, ids, w, *wts, tiles=tiles))  # fmt: skip
-                rep.add("b", f"experts, Triton, other tiles: {tile_text(tiles)}", shape,
-                        tflops(flop, ms))  # fmt: skip
-        if t_exp is not None and t_loop is not None:
-            ratio = t_loop / t_exp
-            rep.add("b", "speed-up over the per-group loop", shape, f"{ratio:.1f}x",
-                    ">= 10x" if big else "", (ratio >= 10) if big else None)  # fmt: skip
-            rep.add("b", "experts / dense bound", shape, f"{100 * t_dense / t_exp:.0f}%")
+def section_checks(ctx: Ctx) -> None:
+    """Every check of section (a), the budget looked at between them."""
+    inp = moe_inputs(ctx, ctx.sh.check_tokens, seed=1)
+    ids, w = check_routing(ctx, inp)
+    for check in (lambda: check_experts(ctx, inp, ids, w), lambda: check_nan_rows(ctx, inp),
+                  lambda: check_layer_dispatch(ctx), lambda: check_attention(ctx),
+                  lambda: check_dense(ctx)):  # fmt: skip
+        ctx.check_budget()
+        check()
 
 
-# ---------------------------------------------------------------------------- (c) attention
-def bench_attention(rep: Report, sh: Shapes, dtype: torch.dtype, timer: Timer) -> None:
-    """Sink attention over `segments` packed segments, and SDPA (no sink) per segment."""
+# ---------------------------------------------------------------------------- (b) probe
+def probe_rows(ctx: Ctx, op: Callable[[torch.Tensor], torch.Tensor], cols: int,
+               seed: int) -> tuple[int, int]:  # fmt: skip
+    """(rows differing, rows compared): 5 probe rows alone against the same rows placed at
+    first / middle / last / tile-edge positions of batches of every M in `sh.probe_rows`."""
+    g = torch.Generator(device=ctx.device).manual_seed(seed)
+    probe = ctx.randn(5, cols, gen=g)
+    alone = [op(probe[j : j + 1]) for j in range(5)]
+    bad = total = 0
+    for m in ctx.sh.probe_rows:
+        ctx.check_budget()
+        batch = ctx.randn(m, cols, gen=g)
+        spots = sorted({0, m // 2, m - 1, min(m - 1, 127), min(m - 1, 128)})[:5]
+        for j, p in enumerate(spots):
+            batch[p] = probe[j]
+        out = op(batch)
+        for j, p in enumerate(spots):
+            bad += mismatched_rows(out[p : p + 1], alone[j])
+            total += 1
+    return bad, total
+
+
+def section_probe(ctx: Ctx) -> None:
+    """bi_linear (Linear's product), bi_matmul (mHC's) and rms_norm through headmoe's
+    CUDA dispatch, and cuBLAS `F.linear` / torch's RMSNorm on the same probe for
+    comparison (informative: no target)."""
+    c, sh = ctx.sh.hidden, ctx.sh
+    g = torch.Generator(device=ctx.device).manual_seed(21)
+    w = ctx.randn(c, c, scale=c**-0.5, gen=g)
+    phi = ctx.randn(sh.streams * c, 2 * sh.streams + sh.streams**2, scale=0.02,
+                    dtype=torch.float32, gen=g)  # fmt: skip
+    nw = ctx.randn(c, scale=0.1, dtype=torch.float32, gen=g)
+    ops = {
+        "bi_linear (Triton GEMM)": (lambda x: bi_linear(x, w), c, True),
+        "bi_matmul fp32 (mHC logits)": (lambda x: bi_matmul(x.float(), phi), sh.streams * c, True),
+        "rms_norm (Triton rows)": (lambda x: norms.rms_norm(x, nw), c, True),
+        "cuBLAS F.linear (comparison)": (lambda x: F.linear(x, w), c, False),
+        "torch RMSNorm (comparison)": (lambda x: norms.rms_norm_torch(x, nw), c, False),
+    }
+    counts = ", ".join(str(m) for m in sh.probe_rows)
+    for i, (name, (op, cols, ours)) in enumerate(ops.items()):
+        with forced_triton(ctx.dry and ours):
+            bad, total = probe_rows(ctx, op, cols, seed=30 + i)
+        ctx.report.add("b", name, f"M in {counts}, K={cols}", f"{bad} of {total} rows differ",
+                       "0" if ours else "", (bad == 0) if ours else None)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- (c) MoE
+def grouped_mm_experts(z, ids, w, w_gate, w_up, w_down) -> torch.Tensor:
+    """The experts of routes (ids, w) with `torch._grouped_mm` (bf16 on CUDA): routes sorted
+    by (head, expert), three grouped GEMMs, SwiGLU7, the ascending-order combine. The
+    baseline of section (c): same routes, same FLOPs. z `[N, h, d]` -> `[N, h, d]`."""
+    n, h, d = z.shape
+    k, groups = ids.shape[2], w_gate.shape[0]
+    group = route_groups(ids, groups // h)
+    order = torch.argsort(group, stable=True)
+    ends = torch.bincount(group, minlength=groups).cumsum(0).to(torch.int32)
+    x = z.reshape(n * h, d)[order // k]
+    act = swiglu7_(torch._grouped_mm(x, w_gate, offs=ends).float(),
+                   torch._grouped_mm(x, w_up, offs=ends).float())  # fmt: skip
+    y = torch._grouped_mm(act.to(z.dtype), w_down, offs=ends)
+    routed = torch.empty_like(y)
+    routed[order] = y
+    return combine(routed.float().view(n, h, k, d), w).to(z.dtype)
+
+
+def grouped_baseline(ctx: Ctx, z, ids, w, wts) -> Callable[[], Any]:
+    """`grouped_mm_experts` as a callable, with the weights in the layout this device's
+    `torch._grouped_mm` takes (row-major, else column-major; reported)."""
+    try:
+        grouped_mm_experts(z, ids, w, *wts)
+        return lambda: grouped_mm_experts(z, ids, w, *wts)
+    except RuntimeError as e:
+        cols = [t.transpose(-2, -1).contiguous().transpose(-2, -1) for t in wts]
+        grouped_mm_experts(z, ids, w, *cols)
+        ctx.report.add("c", "grouped_mm: weights made column-major", "", str(e).splitlines()[0])
+        return lambda: grouped_mm_experts(z, ids, w, *cols)
+
+
+def kernel_table(ctx: Ctx, fn: Callable[[], Any], shape: str) -> None:
+    """One profiled call of fn: time per kernel (CUDA; CPU ops in a dry run), top 8."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] if ctx.dry else [ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
+        fn()
+        if not ctx.dry:
+            torch.cuda.synchronize()
+    attr = "self_cpu_time_total" if ctx.dry else "self_device_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: -getattr(e, attr, 0))[:8]
+    for e in events:
+        us = getattr(e, attr, 0)
+        ctx.report.add("c", f"kernel: {e.key[:60]}", shape,
+                       "ran (dry)" if ctx.dry else f"{us / 1000:.3f} ms x{e.count}")  # fmt: skip
+
+
+def device_compile_info(ctx: Ctx) -> None:
+    """Registers, spills and shared memory of the MoE kernels as this device compiled them
+    (triton's JIT caches); the interpreter has none."""
+    from headmoe.moe import triton_moe
+
+    kern = triton_runtime.kernels(triton_moe.KERNELS)
+    for name in ("route_kernel", "gate_up_kernel", "down_kernel", "combine_kernel"):
+        fn = getattr(kern, name)
+        caches = getattr(fn, "device_caches", None)
+        if not caches:
+            ctx.report.add("c", f"device compile: {name}", "", "interpreter: no device compile")
+            continue
+        for cache in caches.values():
+            for compiled in cache[0].values():
+                compiled._init_handles()
+                ctx.report.add("c", f"device compile: {name}", "",
+                               f"registers={compiled.n_regs} spills={compiled.n_spills} "
+                               f"shared={compiled.metadata.shared:,} B")  # fmt: skip
+
+
+def bench_moe_tokens(ctx: Ctx, n: int) -> None:
+    sh = ctx.sh
+    inp = moe_inputs(ctx, n, seed=n)
+    z, wts = inp["z"], inp["weights"]
+    ids, w = routes(ctx, inp)
+    flop = 6.0 * sh.d * sh.f * n * sh.heads * sh.top_k
+    shape = f"{n:,} tok x {sh.heads} heads, {sh.experts} experts, top-{sh.top_k}"
+    big = n == max(sh.moe_tokens)
+    if not ctx.dry:
+        torch.cuda.reset_peak_memory_stats()
+    t_exp = ctx.time(lambda: experts_triton(z, ids, w, *wts))
+    ok = None if t_exp is None or not big else flop / t_exp / 1e9 >= 0.3 * PEAK_TFLOPS
+    ctx.report.add("c", "experts, Triton", shape, tflops(flop, t_exp),
+                   ">= 30% of peak" if big else "", ok)  # fmt: skip
+    t_all = ctx.time(lambda: experts_triton(z, *routes(ctx, inp), *wts))
+    ctx.report.add("c", "routing + experts, Triton", shape, tflops(flop, t_all))
+    peak = "n/a (CPU)" if ctx.dry else f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB"
+    ctx.report.add("c", "peak memory (inputs + routing + experts)", shape, peak)
+    offsets = dataclasses.replace(DEFAULT_TILES, row_gather=False)
+    same = mismatched_rows(experts_triton(z, ids, w, *wts, tiles=offsets),
+                           experts_triton(z, ids, w, *wts))  # fmt: skip
+    t_off = ctx.time(lambda: experts_triton(z, ids, w, *wts, tiles=offsets))
+    gain = "" if t_off is None else f", row gather {t_off / t_exp:.2f}x faster"
+    ctx.report.add("c", "gather A/B: offsets (before the fix) vs rows", shape,
+                   f"{same} rows differ; {tflops(flop, t_off)}{gain}", "0 rows differ",
+                   same == 0)  # fmt: skip
+    gmm = grouped_baseline(ctx, z, ids, w, wts)
+    t_gmm = ctx.time(gmm)
+    speed = "" if t_gmm is None else f"; Triton {t_gmm / t_exp:.2f}x faster"
+    ctx.report.add("c", "baseline: torch._grouped_mm on the same routes", shape,
+                   tflops(flop, t_gmm) + speed, ">= 2x" if big else "",
+                   None if t_gmm is None or not big else t_gmm / t_exp >= 2)  # fmt: skip
+    kernel_table(ctx, lambda: experts_triton(z, *routes(ctx, inp), *wts), shape)
+
+
+def section_moe(ctx: Ctx) -> None:
+    for n in ctx.sh.moe_tokens:
+        bench_moe_tokens(ctx, n)
+    device_compile_info(ctx)
+
+
+# ---------------------------------------------------------------------------- (d) attention
+def section_attention(ctx: Ctx) -> None:
+    """Sink attention over `segments` packed segments, and SDPA (no sink) per segment with
+    the flash and cuDNN backends (a backend this device lacks is reported as such)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sh = ctx.sh
     length = sh.segment * sh.segments
-    g = torch.Generator(device=DEVICE).manual_seed(7)
-    q, k, v = (torch.randn(length, sh.attn_heads, sh.head_dim, generator=g, device=DEVICE)
-               .to(dtype) for _ in range(3))  # fmt: skip
-    sinks = torch.randn(sh.attn_heads, generator=g, device=DEVICE)
+    g = torch.Generator(device=ctx.device).manual_seed(7)
+    q, k, v = (ctx.randn(length, sh.attn_heads, sh.head_dim, gen=g) for _ in range(3))
+    sinks = ctx.randn(sh.attn_heads, dtype=torch.float32, gen=g)
     segs = [(i * sh.segment, (i + 1) * sh.segment) for i in range(sh.segments)]
     scale = sh.head_dim**-0.5
     flop = 4.0 * sh.segment**2 * sh.head_dim * sh.attn_heads * sh.segments
     shape = f"{sh.segments} x {sh.segment:,} tok, {sh.attn_heads} heads x {sh.head_dim}"
-    t = timer(lambda: triton_segment_attention(q, k, v, segs, sinks, scale))
+    t = ctx.time(lambda: triton_segment_attention(q, k, v, segs, sinks, scale))
     ok = None if t is None else flop / t / 1e9 >= 0.4 * PEAK_TFLOPS
-    rep.add("c", "sink attention, Triton", shape, tflops(flop, t), ">= 40% of peak", ok)
-    for tiles in ATTENTION_SWEEP[: 1 if timer.dry else None]:
-        ms = timer(lambda tiles=tiles: triton_segment_attention(q, k, v, segs, sinks, scale,
-                                                                tiles=tiles))  # fmt: skip
-        rep.add("c", f"sink attention, other tiles: {tile_text(tiles)}", shape, tflops(flop, ms))
-    heads = [t_.transpose(0, 1).unsqueeze(0).contiguous() for t_ in (q, k, v)]
+    ctx.report.add("d", "sink attention, Triton", shape, tflops(flop, t), ">= 40% of peak", ok)
+    heads = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)]
 
-    def sdpa() -> Any:
+    def sdpa() -> None:
         for a, b in segs:
-            torch.nn.functional.scaled_dot_product_attention(
-                *(x[:, :, a:b] for x in heads), scale=scale
-            )
+            F.scaled_dot_product_attention(*(x[:, :, a:b] for x in heads), scale=scale)
 
-    rep.add("c", "torch SDPA per segment, no sink (reference)", shape, tflops(flop, timer(sdpa)))
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cuDNN", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
+        try:
+            with sdpa_kernel(backend):
+                ms = ctx.time(sdpa)
+            value = tflops(flop, ms) + ("" if ms is None or t is None else f"; Triton/SDPA "
+                                        f"time {t / ms:.2f}")  # fmt: skip
+        except RuntimeError as e:
+            value = f"unavailable: {str(e).splitlines()[0][:80]}"
+        ctx.report.add("d", f"torch SDPA {name} backend per segment, no sink", shape, value)
 
 
-# ---------------------------------------------------------------------------- (d) layer
-def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """MAGI-2's RMSNorm in fp32 (`x * rsqrt(mean(x^2) + 1e-6) * (1 + w)`), back to x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)).to(x.dtype)
-
-
-def layer_parts(sh: Shapes, dtype: torch.dtype) -> dict[str, Callable[[], Any]]:
-    """The per-rank work of one MoE layer at SP8/EP4, as named steps on random tensors.
+# ---------------------------------------------------------------------------- (e) layer
+def layer_parts(ctx: Ctx, ours: bool) -> dict[str, Callable[[], Any]]:
+    """The per-rank work of one MoE layer at SP8/EP4, as named steps on random tensors:
+    linears and RMSNorm through headmoe's batch-invariant ops (`ours`) or cuBLAS / torch.
 
     The two all-to-alls of each branch are not run (one GPU): attention gets random q, k, v
     of the full sequence for the rank's heads, the MoE random rows for its heads of the EP
     group's tokens (ep * t_local), and the linears run on the rank's t_local rows."""
-    c, t, dev = sh.hidden, sh.t_local, DEVICE
-    g = torch.Generator(device=dev).manual_seed(11)
-
-    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dtype)
-
-    x, w_norm = rnd(t, c), torch.zeros(c, device=dev)
-    lin = {"qkv": rnd(3 * c, c, scale=c**-0.5), "g": rnd(c // sh.head_dim, c, scale=c**-0.5),
-           "proj": rnd(c, c, scale=c**-0.5), "split": rnd(c, c, scale=c**-0.5),
-           "merge": rnd(c, c, scale=c**-0.5), "fc1": rnd(2 * sh.shared, c, scale=c**-0.5),
-           "fc2": rnd(c, sh.shared, scale=sh.shared**-0.5)}  # fmt: skip
-    length = sh.segment * sh.segments
-    q, k, v = (rnd(length, sh.attn_heads, sh.head_dim) for _ in range(3))
-    sinks = torch.randn(sh.attn_heads, generator=g, device=dev)
+    sh, dt = ctx.sh, ctx.dtype
+    c, t = sh.hidden, sh.t_local
+    g = torch.Generator(device=ctx.device).manual_seed(11)
+    lin_names = {"qkv": (3 * c, c), "g": (c // sh.head_dim, c), "proj": (c, c),
+                 "split": (c, c), "merge": (c, c), "fc1": (2 * sh.shared, c),
+                 "fc2": (c, sh.shared)}  # fmt: skip
+    lin = {k: ctx.randn(o, i, scale=i**-0.5, gen=g) for k, (o, i) in lin_names.items()}
+    x, w_norm = ctx.randn(t, c, gen=g), torch.zeros(c, device=ctx.device)
+    q, k, v = (ctx.randn(sh.segment * sh.segments, sh.attn_heads, sh.head_dim, gen=g)
+               for _ in range(3))  # fmt: skip
+    sinks = ctx.randn(sh.attn_heads, dtype=torch.float32, gen=g)
     segs = [(i * sh.segment, (i + 1) * sh.segment) for i in range(sh.segments)]
-    moe = moe_inputs(sh, sh.ep * t, dtype, seed=12)
-    attn_out = rnd(t, c)
-    F = torch.nn.functional
+    moe = moe_inputs(ctx, sh.ep * t, seed=12)
+    attn_out = ctx.randn(t, c, gen=g)
+    linear = bi_linear if ours else F.linear
+    norm = norms.rms_norm if ours else norms.rms_norm_torch
 
     def attn_in() -> Any:
-        xn = rms_norm(x, w_norm)
-        return F.linear(xn, lin["qkv"]), F.linear(xn, lin["g"])
+        xn = norm(x, w_norm).to(dt)
+        return linear(xn, lin["qkv"]), linear(xn, lin["g"])
 
     def attn_out_proj() -> Any:
-        gate = torch.sigmoid(F.linear(x, lin["g"]).float()).to(dtype)
+        gate = torch.sigmoid(linear(x, lin["g"]).float()).to(dt)
         o = attn_out.view(t, -1, sh.head_dim) * gate.unsqueeze(-1)
-        return F.linear(o.reshape(t, c), lin["proj"])
-
-    def moe_experts() -> Any:
-        ids, w = route_triton(moe["z"], moe["gate"], moe["bias"], sh.top_k, 4.9)
-        return experts_triton(moe["z"], ids, w, *moe["weights"])
+        return linear(o.reshape(t, c), lin["proj"])
 
     def moe_linears() -> Any:
-        nrm = rms_norm(x, w_norm)
-        split = F.linear(nrm, lin["split"])
-        shared = F.linear(swiglu7(F.linear(nrm, lin["fc1"])).to(dtype), lin["fc2"])
-        return F.linear(split, lin["merge"]) + shared
+        nrm = norm(x, w_norm).to(dt)
+        shared = linear(swiglu7(linear(nrm, lin["fc1"])).to(dt), lin["fc2"])
+        return linear(linear(nrm, lin["split"]), lin["merge"]) + shared
 
     return {
         "RMSNorm + linear_qkv + linear_g": attn_in,
         "sink attention (full sequence, rank's heads)": lambda: triton_segment_attention(
             q, k, v, segs, sinks, sh.head_dim**-0.5),
         "output gate + linear_proj": attn_out_proj,
-        "MoE routing + experts (rank's heads, EP group's tokens)": moe_experts,
+        "MoE routing + experts (rank's heads, EP group's tokens)": lambda: experts_triton(
+            moe["z"], *routes(ctx, moe), *moe["weights"]),
         "RMSNorm + split/merge linears + shared experts": moe_linears,
     }  # fmt: skip
 
 
-def bench_layer(rep: Report, sh: Shapes, dtype: torch.dtype, timer: Timer) -> None:
-    """Every step of `layer_parts` timed alone, then all of them in a row."""
-    parts = layer_parts(sh, dtype)
+def section_layer(ctx: Ctx) -> None:
+    """Every step of `layer_parts` timed alone (headmoe's ops, then cuBLAS/torch), then all
+    steps in a row."""
+    sh = ctx.sh
     shape = (f"C={sh.hidden}, {sh.t_local:,} tok/rank, attention {sh.segments} x "
              f"{sh.segment:,}, MoE {sh.ep * sh.t_local:,} rows")  # fmt: skip
-    for name, fn in parts.items():
-        ms = timer(fn)
-        rep.add("d", name, shape, "ran (dry)" if ms is None else f"{ms:.3f} ms")
-    ms = timer(lambda: [fn() for fn in parts.values()])
-    rep.add("d", "one layer, all steps (no collectives)", shape,
-            "ran (dry)" if ms is None else f"{ms:.3f} ms")  # fmt: skip
+    totals = {}
+    for ours in (True, False):
+        label = "batch-invariant ops" if ours else "cuBLAS linears, torch RMSNorm"
+        with forced_triton(ctx.dry and ours):
+            parts = layer_parts(ctx, ours)
+            for name, fn in parts.items():
+                ctx.report.add("e", f"{name} [{label}]", shape, ms_text(ctx.time(fn)))
+            totals[ours] = ctx.time(lambda parts=parts: [fn() for fn in parts.values()])
+        ctx.report.add("e", f"one layer, all steps [{label}]", shape, ms_text(totals[ours]))
+    if totals[True] is not None and totals[False] is not None:
+        ctx.report.add("e", "layer time, batch-invariant / cuBLAS", shape,
+                       f"{totals[True] / totals[False]:.2f}x")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- main
-DEVICE = "cpu"
+SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
+    "0": section_compile, "a": section_checks, "b": section_probe, "c": section_moe,
+    "d": section_attention, "e": section_layer,
+}  # fmt: skip
 
 
-def header(dry: bool) -> str:
-    """Device, versions and mode, for the top of the markdown file."""
-    import triton
-
-    dev = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
-    mode = "dry run: tiny shapes, fp32, no timing" if dry else "bf16, CUDA-event medians"
-    return (f"GPU check ({mode}) on {dev}; torch {torch.__version__}, triton "
-            f"{triton.__version__}; peak taken as {PEAK_TFLOPS:.0f} TFLOP/s dense bf16.\n\n")
+def run_section(ctx: Ctx, key: str, inject: set[str], out: Path) -> None:
+    """Run one section under its own try/except; record its status; rewrite the report."""
+    start = time.monotonic()
+    try:
+        if key in inject:
+            raise RuntimeError(f"injected failure in section {key} (--inject-failure)")
+        ctx.check_budget()
+        with torch.no_grad():
+            SECTION_FNS[key](ctx)
+        ctx.report.status[key] = "ok"
+    except OutOfBudget:
+        ctx.report.status[key] = "stopped: the --budget-s budget ran out"
+    except Exception as e:  # noqa: BLE001 - recorded; the other sections still run
+        traceback.print_exc()
+        ctx.report.status[key] = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    ctx.report.status[key] += f" ({time.monotonic() - start:.0f} s)"
+    ctx.report.write(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="markdown file for the table")
+    parser.add_argument("--out", type=Path, required=True, help="markdown file for the report")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU under Triton's interpreter, no timing")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="stop starting timed work after this many seconds (default 360)")
+    parser.add_argument("--inject-failure", action="append", default=[], choices=list(SECTIONS),
+                        help="make this section raise at its start (tests the report)")
     args = parser.parse_args(argv)  # fmt: skip
-    global DEVICE
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0, got {args.budget_s}")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are imported
         triton_runtime.install_row_local_dot()
-        DEVICE, dtype, sh = "cpu", torch.float32, DRY
+        device, dtype, sh = "cpu", torch.float32, DRY
     elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run on a CPU machine)", file=sys.stderr)
         return 2
     else:
-        DEVICE, dtype, sh = "cuda", torch.bfloat16, FULL
-    rep, timer = Report(), Timer(args.dry_run, sh.reps)
-    with torch.no_grad():
-        inp = moe_inputs(sh, sh.check_tokens, dtype, seed=1)
-        ids, w = check_routing(rep, sh, inp)
-        check_experts(rep, sh, inp, ids, w)
-        check_layer_dispatch(rep, sh, dtype, args.dry_run)
-        check_attention(rep, sh, dtype)
-        bench_moe(rep, sh, dtype, timer)
-        bench_attention(rep, sh, dtype, timer)
-        bench_layer(rep, sh, dtype, timer)
-    args.out.write_text(header(args.dry_run) + rep.markdown())
+        device, dtype, sh = "cuda", torch.bfloat16, FULL
+    ctx = Ctx(args.dry_run, device, dtype, sh, time.monotonic() + args.budget_s, Report())
+    ctx.report.header = environment(ctx)
+    ctx.report.write(args.out)
+    for key in SECTIONS:
+        run_section(ctx, key, set(args.inject_failure), args.out)
     print(f"wrote {args.out}")
-    failed = rep.failed_checks()
+    failed = ctx.report.failures()
     if failed:
-        print("FAILED checks: " + "; ".join(failed), file=sys.stderr)
+        print("FAILED: " + "; ".join(failed), file=sys.stderr)
     return 1 if failed else 0
 
 

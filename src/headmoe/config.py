@@ -8,6 +8,7 @@ before any process group exists. The rank arithmetic lives in
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -33,6 +34,14 @@ def check_positive_int(name: str, value: Any) -> int:
     """
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_positive_number(name: str, value: Any) -> float:
+    """Return `value` if it is a finite number > 0 (int or float, not bool), else raise
+    `ValueError` naming the field and the value."""
+    if not is_number(value) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return value
 
 

@@ -19,3 +19,18 @@ class NonFiniteError(RuntimeFault):
 
 class RankUnresponsive(RuntimeFault):
     """A rank stopped responding (it did not reach a step, or its heartbeat stopped)."""
+
+
+class Refusal(UserError):
+    """A request refused by admission (`headmoe.pipeline.admission`): ``field`` is the
+    request field (``"a,b"`` when two fields contradict each other), ``value`` the value
+    given, ``message`` the one-line reason in field names (``num_frames=14 ...``). Every
+    entry point reports the same refusal; the command line shows the fields as flags,
+    the HTTP API returns ``field`` as the error's ``param``."""
+
+    def __init__(self, field: str, value: object, message: str):
+        super().__init__(message)
+        self.field, self.value, self.message = field, value, message
+
+    def __reduce__(self):  # picklable (ranks, spawned processes)
+        return (type(self), (self.field, self.value, self.message))

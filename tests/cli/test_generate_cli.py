@@ -40,14 +40,14 @@ HEADMOE = str(Path(sys.executable).with_name("headmoe"))
             "--expert-parallel-size=2 requires --enable-expert-parallel",
         ),
         (["--cfg-parallel-size", "3", "--nproc", "3"], "--cfg-parallel-size=3 must be 1 or 2"),
-        (["--width", "50"], "--width must be a positive multiple of 16, got 50"),
-        (["--num-inference-steps", "0"], "--num-inference-steps must be a positive int"),
+        (["--width", "50"], "--width=50 must be a positive multiple of 16, e.g. 48"),
+        (["--num-inference-steps", "0"], "--num-inference-steps=0 must be an integer in [1, 1000]"),
         (["--output", "x.avi"], "--output must end in .mp4"),
         (["--model", "nowhere.safetensors"], "--model must be 'tiny', a release folder or an existing"),
-        (["--timeout", "0"], "--timeout must be >= 1 seconds"),
-        (["--timeout", "0.001"], "--timeout must be >= 1 seconds (it also bounds joining the "
+        (["--timeout", "0"], "--timeout must be at least 1 s"),
+        (["--timeout", "0.001"], "--timeout must be at least 1 s (it also bounds joining the "
                                  "ranks), got 0.001"),
-        (["--timeout", "nan"], "--timeout must be >= 1 seconds"),
+        (["--timeout", "nan"], "--timeout must be at least 1 s"),
     ],
 )
 def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, monkeypatch):
@@ -69,6 +69,17 @@ def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, m
     assert not (tmp_path / "o.mp4").exists()
 
 
+def test_cuda_noise_refused_without_cuda(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main(["generate", "--prompt", "x", "--cache-dir", str(tmp_path / "c"), "--output",
+                 str(tmp_path / "o.mp4"), "--noise-device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--noise-device='cuda' draws the noise on the GPU, but no CUDA" in err
+    assert not (tmp_path / "o.mp4").exists()
+
+
 def test_flagify_only_rewrites_field_names():
     assert (
         flagify("seed must be a non-negative int, got -1")
@@ -83,7 +94,7 @@ def test_parser_has_generate_and_required_prompt():
     with pytest.raises(SystemExit):
         parser.parse_args(["generate"])
     args = parser.parse_args(["generate", "--prompt", "p"])
-    assert args.model == "tiny" and args.nproc is None and args.fps == 12.5
+    assert args.model == "tiny" and args.nproc is None and args.fps is None  # admission fills it
 
 
 @pytest.mark.multirank

@@ -85,17 +85,23 @@ def write_checkpoint(folder: Path, tensors, name="model.safetensors", config="ti
 
 
 # ---------------------------------------------------------------------- flags and values
-@pytest.mark.parametrize("frames, near", [(14, "13 or 17"), (4, "1 or 5"), (0, "1")])
-def test_num_frames_not_4k_plus_1(frames, near, tmp_path, cache, capsys):
+@pytest.mark.parametrize("frames, pattern", [(14, r"4k\+1.*use 13 or 17"),
+                                             (4, r"4k\+1.*use 1 or 5"),
+                                             (0, r"an integer in \[1, 1001\]")])
+def test_num_frames_not_4k_plus_1(frames, pattern, tmp_path, cache, capsys):
     code, out = generate(tmp_path, cache, "--num-frames", str(frames))
-    assert_refused(capsys, code, out, rf"--num-frames {frames} .*4k\+1.*use {near}$")
+    assert_refused(capsys, code, out, rf"--num-frames={frames} .*{pattern}, see")
 
 
-@pytest.mark.parametrize("seed, flags", [(2**63, []), (2**64, []), (-1, []),
-                                         (2**63 - 1, ["--data-parallel-size", "2"])])
-def test_seed_out_of_range(seed, flags, tmp_path, cache, capsys):
+@pytest.mark.parametrize("seed, flags, pattern", [
+    (2**63, [], r"must be an integer in \[0, 2\*\*63 - 1\]"),
+    (2**64, [], r"must be an integer in \[0, 2\*\*63 - 1\]"),
+    (-1, [], r"must be an integer in \[0, 2\*\*63 - 1\]"),
+    (2**63 - 1, ["--data-parallel-size", "2", "--nproc", "2"],
+     r"is above 9223372036854775806: data-parallel group k uses seed \+ k")])
+def test_seed_out_of_range(seed, flags, pattern, tmp_path, cache, capsys):
     code, out = generate(tmp_path, cache, "--seed", str(seed), *flags)
-    assert_refused(capsys, code, out, rf"--seed {seed} is outside \[0, \d+\]")
+    assert_refused(capsys, code, out, rf"--seed={seed} {pattern}")
 
 
 def test_prompt_with_invalid_utf8_from_argv(tmp_path, cache, capsys):
@@ -181,8 +187,9 @@ def test_existing_output_needs_overwrite(tmp_path, cache, capsys, no_ranks):
 
 # ---------------------------------------------------------------------- memory estimate
 def test_huge_request_refused_by_the_memory_estimate(tmp_path, cache, capsys):
-    code, out = generate(tmp_path, cache, "--num-frames", "1000001")
-    line = assert_refused(capsys, code, out, r"needs an estimated [\d.]+ GiB per rank \(weights")
+    code, out = generate(tmp_path, cache, "--num-frames", "1001", "--height", "4096",
+                         "--width", "4096")
+    line = assert_refused(capsys, code, out, r"need an estimated [\d.]+ GiB per rank \(weights")
     assert re.search(r"more than the [\d.]+ GiB limit \(available host memory", line)
     assert "--max-memory-gib" in line
 
@@ -197,7 +204,7 @@ def test_max_memory_gib_overrides_the_limit(tmp_path, cache, capsys, no_ranks):
 def test_mismatched_big_config_refused_before_any_weight(tmp_path, cache, capsys):
     _, ckpt = resolve_model("tiny", cache, write=False)
     code, out = generate(tmp_path, cache, "--model", ckpt, "--model-config", "magi2-preview")
-    assert_refused(capsys, code, out, r"config magi2-preview\) .* needs an estimated [\d.]+ GiB")
+    assert_refused(capsys, code, out, r"config magi2-preview\): .* need an estimated [\d.]+ GiB")
 
 
 # ---------------------------------------------------------------------- checkpoints and configs
@@ -394,6 +401,11 @@ def test_compare_validates_every_layout_before_running_any(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
     code = compare_main(["--layouts", "sp1", "--prompt", "x", "--num-frames", "6"], runner=runner)
     assert code == 2 and runner.cmds == [] and "use 5 or 9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # generate's --output is not an abbreviation of --output-dir
+        compare_main(["--layouts", "sp1", "--prompt", "x", "--output", str(tmp_path / "x.mp4")],
+                     runner=runner)
+    assert "unrecognized arguments: --output" in capsys.readouterr().err
+    assert not (tmp_path / "x.mp4").exists() and runner.cmds == []
 
 
 def test_compare_forwards_dash_values_safely(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py's dry run: every section's code path on the CPU under Triton's
-interpreter (tiny shapes, no timing), so the device check cannot rot between GPU runs."""
+interpreter (tiny shapes, no timing), so the device check cannot rot between GPU runs; and
+a section that fails still leaves a complete report."""
 
 import pytest
 import torch
@@ -10,21 +11,69 @@ from tests.triton_interp import interpreted  # noqa: F401  (sets TRITON_INTERPRE
 pytestmark = pytest.mark.triton
 
 
-def test_dry_run_passes_every_check_and_writes_the_table(tmp_path, interpreted):  # noqa: F811
+def _table(text: str) -> tuple[dict[str, str], list[list[str]]]:
+    """(section -> status, result rows as cells) of a report."""
+    lines = [x for x in text.splitlines() if x.startswith("| ") and "---" not in x]
+    status = {x.split("|")[1].split()[0]: x.split("|")[2].strip() for x in lines
+              if x.split("|")[1].strip()[:2] in {f"{k} " for k in gpu_check.SECTIONS}}  # fmt: skip
+    rows = [[c.strip() for c in x.split("|")[1:-1]] for x in lines
+            if x.split("|")[1].strip() in gpu_check.SECTIONS]  # fmt: skip
+    return status, rows
+
+
+def test_dry_run_passes_every_check_and_writes_the_report(tmp_path, interpreted):  # noqa: F811
     out = tmp_path / "gpu_check.md"
     assert gpu_check.main(["--dry-run", "--out", str(out)]) == 0
     text = out.read_text()
-    assert text.startswith("GPU check (dry run")
-    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    sections = [line.split("|")[1].strip() for line in rows[1:]]
-    assert sections.count("a") == 7 and "b" in sections and "c" in sections
-    assert sections.count("d") == len(gpu_check.layer_parts(gpu_check.DRY, torch.float32)) + 1
-    assert "FAIL" not in text and text.count("| ok |") == 7
-    assert text.count("ran (dry)") == len(rows) - 1 - 7
+    assert text.startswith("# GPU check (dry run") and "- device: CPU" in text
+    status, rows = _table(text)
+    assert set(status) == set(gpu_check.SECTIONS)
+    assert all(v.startswith("ok (") for v in status.values()), status
+    sections = [r[0] for r in rows]
+    assert set(sections) == set(gpu_check.SECTIONS)
+    checks = [r for r in rows if r[5]]
+    assert all(r[5] == "ok" for r in checks) and "FAIL" not in text
+    assert sum(r[0] == "a" for r in checks) == 10 and sum(r[0] == "b" for r in checks) == 3
+    assert any("gather A/B" in r[1] and r[3].startswith("0 rows differ") for r in rows)
+    assert any("_grouped_mm" in r[1] for r in rows) and any("kernel:" in r[1] for r in rows)
+    assert any("SDPA flash" in r[1] for r in rows) and any("SDPA cuDNN" in r[1] for r in rows)
+    assert any(r[0] == "0" and "shared=" in r[3] and "/232,448" in r[3] for r in rows)
 
 
-def test_without_a_gpu_the_full_run_refuses(tmp_path, capsys, monkeypatch):
+def test_a_failing_section_leaves_a_complete_report(tmp_path, interpreted, capsys):  # noqa: F811
+    """Sections 0, a and c made to fail (a parameter, not an env var): the others still run
+    and pass, the report names the failures, the exit status is 1."""
+    out = tmp_path / "gpu_check.md"
+    argv = ["--dry-run", "--out", str(out)]
+    for s in ("0", "a", "c"):
+        argv += ["--inject-failure", s]
+    assert gpu_check.main(argv) == 1
+    status, rows = _table(out.read_text())
+    assert set(status) == set(gpu_check.SECTIONS)
+    for s in ("0", "a", "c"):
+        assert status[s].startswith("FAILED: RuntimeError: injected failure in section " + s)
+    for s in ("b", "d", "e"):
+        assert status[s].startswith("ok ("), status
+    assert {r[0] for r in rows} == {"b", "d", "e"}
+    assert "section c: FAILED" in capsys.readouterr().err
+
+
+def test_budget_and_device_refusals(tmp_path, capsys, monkeypatch):
+    """No CUDA device: exit 2 and no file; a spent budget stops the sections with a status
+    (not an exception) and exit 1."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["--out", str(tmp_path / "x.md")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "x.md").exists()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--dry-run", "--out", str(tmp_path / "y.md"), "--budget-s", "0"])
+
+
+def test_a_spent_budget_stops_sections_with_a_status(tmp_path, interpreted):  # noqa: F811
+    out = tmp_path / "z.md"
+    argv = ["--dry-run", "--out", str(out), "--budget-s", "1e-9", "--inject-failure", "0"]
+    assert gpu_check.main(argv) == 1
+    status, _ = _table(out.read_text())
+    assert status["0"].startswith("FAILED")
+    for s in ("a", "b", "c", "d", "e"):
+        assert status[s].startswith("stopped: the --budget-s budget ran out"), status

@@ -32,8 +32,10 @@ def test_video_decoder_shapes_and_layout():
     dec = TinyVideoDecoder(3)
     assert dec.latent_shape(13, 64, 96) == (4, 4, 6)
     assert dec.latent_shape(1, 16, 16) == (1, 1, 1)
-    with pytest.raises(ValueError, match="width must be a positive multiple of 16, got 40"):
+    with pytest.raises(ValueError, match="width=40 must be a positive multiple of 16, e.g. 32"):
         dec.latent_shape(5, 32, 40)
+    with pytest.raises(ValueError, match=r"num_frames=14 must be of the form 4k\+1"):
+        dec.latent_shape(14, 32, 32)  # the release decoders' rule (serve once took 14)
     lat = torch.randn(4, 4, 6, 3, generator=torch.Generator().manual_seed(0))
     frames = dec.decode(lat, 13)
     assert frames.shape == (13, 64, 96, 3) and frames.dtype == torch.uint8

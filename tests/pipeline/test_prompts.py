@@ -36,6 +36,12 @@ def test_normalize_prompt_of_figure_prompts(name):
     assert normalize_prompt(case["output"]) == case["normalized_output"]
 
 
+def test_deeply_nested_json_is_used_as_written():
+    for text in ("[" * 50_000, "[" * 990 + "]" * 990,
+                 '{"global_layer": ' + "[" * 985 + "]" * 985 + "}"):
+        assert normalize_prompt(text) == text
+
+
 @pytest.fixture(scope="module")
 def tokenizers():
     """(the golden tokenizer with the released split, the same without it)."""

@@ -100,11 +100,9 @@ def test_found_and_checked(folder, video):
 
 
 MISSING = [
-    ("preview/config.json", ()),
     (f"preview/{release.TRANSFORMER_INDEX}", ()),
     ("text_encoder/config.json", ()),
     ("text_encoder/tokenizer.json", ()),
-    ("text_encoder/tokenizer_config.json", ()),
     ("text_encoder/model.safetensors", ()),
     ("turbo_vae/TurboV3-Wan22-TinyShallow_7_7.json", ()),
     ("turbo_vae/checkpoint.ckpt", ()),
@@ -209,14 +207,46 @@ def test_mis_shaped_tensor_is_named(copy, tmp_path, capsys, monkeypatch):
     assert "mis-shaped" in err and name in err, err
 
 
-def test_width_mismatch_and_flag_misuse(copy, tmp_path, capsys, monkeypatch):
+def test_config_mismatch_names_the_configuration_and_tensors(copy, tmp_path, capsys,
+                                                             monkeypatch):
     cfg = json.loads((copy / "preview" / "config.json").read_text())
     cfg["text_in_channels"] = 40
     _replace(copy / "preview" / "config.json", lambda p: Path(p).write_text(json.dumps(cfg)))
     err = _refused(copy, tmp_path, capsys, monkeypatch)
-    assert "hidden_size=64 does not match preview/config.json text_in_channels=40" in err, err
-    err = _refused(copy, tmp_path, capsys, monkeypatch, "--model-config", "tiny")
-    assert "--model-config applies to a checkpoint file" in err
+    assert "config 'MAGI-2-preview': 1 mis-shaped tensors: pre_adapter.text_embedder.weight " \
+        "expected [1536, 40] F32, found [1536, 64] F32" in err, err
+    err = _refused(copy, tmp_path, capsys, monkeypatch, "--model-config", "magi2-preview")
+    assert "holds 6 transformer layers (block.layers.0..5) but --model config " \
+        "'MAGI-2-preview' has num_layers=40" in err, err
+
+
+def test_release_as_published_is_read_as_magi2_preview(copy, tmp_path, capsys, monkeypatch):
+    """The published folder has no preview/config.json (issue 22 point 1): it means the
+    magi2-preview configuration, so the tiny weights are refused before any rank starts,
+    naming the configuration and the first mismatch (the layer count, checked against the
+    index before any skeleton is built)."""
+    (copy / "preview" / "config.json").unlink()
+    err = _refused(copy, tmp_path, capsys, monkeypatch)
+    assert "holds 6 transformer layers (block.layers.0..5) but --model config " \
+        "'magi2-preview' has num_layers=40" in err, err
+
+
+def test_release_as_published_runs_with_model_config(folder, copy, tmp_path):
+    """Without preview/config.json and tokenizer_config.json (both optional), with
+    --model-config <its config.json>: the same bytes as the folder with both files."""
+    config = tmp_path / "config.json"
+    shutil.copy(copy / "preview" / "config.json", config)
+    (copy / "preview" / "config.json").unlink()
+    (copy / "text_encoder" / "tokenizer_config.json").unlink()
+    hashes = []
+    for model, flags in ((folder, []), (copy, ["--model-config", str(config)])):
+        out = tmp_path / f"{len(hashes)}.mp4"
+        code = main(["generate", "--model", str(model), *flags, "--output", str(out),
+                     *REQUEST, "--num-inference-steps", "1"])  # the last value wins
+        side = json.loads(out.with_suffix(".json").read_text())
+        assert code == 0 and side["admission"]["recipe"] == "tiny", side["admission"]
+        hashes.append((side["video_sha256"], side["audio_sha256"]))
+    assert hashes[0] == hashes[1]
 
 
 # ---------------------------------------------------------------------- components

@@ -42,9 +42,12 @@ def test_frames_to_uint8_truncates_and_clamps():
 
 def test_latent_shape():
     assert vl.latent_shape(125, 720, 1280) == (32, 45, 80)
-    assert [vl.latent_shape(n, 16, 16)[0] for n in (1, 2, 5, 6, 9)] == [1, 2, 2, 3, 3]
+    assert [vl.latent_shape(n, 16, 16)[0] for n in (1, 5, 9, 13)] == [1, 2, 3, 4]
+    for n in (2, 6, 14):  # the decoders make 1 + 4k frames: others are refused
+        with pytest.raises(ValueError, match=rf"num_frames={n} must be of the form 4k\+1"):
+            vl.latent_shape(n, 16, 16)
     assert vl.frame_count(32) == 125
-    with pytest.raises(ValueError, match="height must be a positive multiple of 16, got 20"):
+    with pytest.raises(ValueError, match="height=20 must be a positive multiple of 16, e.g. 16"):
         vl.latent_shape(5, 20, 16)
     with pytest.raises(ValueError, match="num_frames"):
         vl.latent_shape(0, 16, 16)

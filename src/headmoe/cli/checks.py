@@ -1,6 +1,6 @@
 """`headmoe generate` checks that run in the launching process before any rank starts or
-any weight is built: prompts, frame count, seed, output path, memory estimate, checkpoint
-values. Each raises `UserError` naming the flag / file / value and what to do.
+any weight is built: the prompt source, the output path, checkpoint values (the request
+itself is admission's, `headmoe.admission`). Each raises `UserError` naming the flag / file / value and what to do.
 
 `add_arguments` adds the flags these checks read (``--prompt-file``, ``--overwrite``,
 ``--max-memory-gib``, ``--check-weights``).
@@ -17,11 +17,10 @@ from typing import Any
 
 from headmoe.errors import UserError
 from headmoe.files import listing
-from headmoe.pipeline.seeding import SEED_LIMIT
+from headmoe.pipeline.request import MAX_PROMPT_CHARS
 
-#: output frames per latent frame after the first (the video decoders' temporal stride)
-TEMPORAL_STRIDE = 4
-GIB = 1 << 30
+#: the most bytes --prompt-file reads (4 UTF-8 bytes per character at most)
+MAX_PROMPT_FILE_BYTES = 4 * MAX_PROMPT_CHARS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,12 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="read the prompt from this UTF-8 file (instead of --prompt)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output file (default: refuse)")
-    p.add_argument("--max-memory-gib", type=float, default=None,
-                   help="memory one rank may use, replacing the detected limit (free device "
-                   "memory, or available host memory / local ranks on CPU)")
+    add_memory_flag(p)
     p.add_argument("--check-weights", action="store_true",
                    help="read every tensor of the transformer checkpoint (and of a release's text "
                    "encoder and video and audio decoders) first and refuse NaN/Inf values")
+
+
+def add_memory_flag(p: argparse.ArgumentParser, *aliases: str) -> None:
+    """``--max-memory-gib`` (generate and serve): the per-rank budget of the memory estimate."""
+    p.add_argument("--max-memory-gib", *aliases, dest="max_memory_gib", type=float,
+                   default=None,
+                   help="memory one rank may use, replacing the detected limit (free device "
+                   "memory, or available host memory / local ranks on CPU); 0: no check")
 
 
 def _utf8(text: str, what: str) -> str:
@@ -61,10 +66,15 @@ def read_prompt(args: argparse.Namespace) -> str:
     if path is None:
         return _utf8(given, "--prompt")
     try:
-        data = Path(path).expanduser().read_bytes()
+        with open(Path(path).expanduser(), "rb") as f:
+            data = f.read(MAX_PROMPT_FILE_BYTES + 1)  # /dev/zero stops here
     except OSError as e:
         raise UserError(f"--prompt-file {path!r} cannot be read ({e.strerror}), "
                         "pass an existing readable text file") from None
+    if len(data) > MAX_PROMPT_FILE_BYTES:
+        raise UserError(f"--prompt-file {path!r} is over {MAX_PROMPT_FILE_BYTES:,} bytes (a "
+                        f"prompt may have {MAX_PROMPT_CHARS:,} characters), pass a shorter "
+                        "file")
     try:
         return data.decode("utf-8").removesuffix("\n")
     except UnicodeDecodeError as e:
@@ -72,41 +82,11 @@ def read_prompt(args: argparse.Namespace) -> str:
                         "save it as UTF-8") from None
 
 
-def check_num_frames(n: int) -> None:
-    """``n`` must be ``4k + 1`` (the decoders keep the first frame, then 4 per latent)."""
-    if n >= 1 and (n - 1) % TEMPORAL_STRIDE == 0:
-        return
-    low = (max(n, 1) - 1) // TEMPORAL_STRIDE * TEMPORAL_STRIDE + 1
-    near = [1] if n < 1 else [low, low + TEMPORAL_STRIDE]
-    raise UserError(f"--num-frames {n} is not of the form 4k+1 (the video decoder makes 1 + 4k "
-                    f"frames), use {' or '.join(map(str, near))}")
-
-
-def check_seed(seed: int, dp_size: int) -> None:
-    """Every DP group's seed (``seed + k``) must lie in [0, 2**63)."""
-    if not seed >= 0 or seed + dp_size - 1 >= SEED_LIMIT:
-        top = SEED_LIMIT - dp_size
-        raise UserError(f"--seed {seed} is outside [0, {top}] (data-parallel group k uses seed "
-                        f"+ k, all below 2**63), pick a seed in that range")
-
-
-def check_noise_device(noise_device: str) -> None:
-    """``--noise-device cuda`` needs a CUDA device here (the ranks draw on theirs)."""
-    import torch
-
-    if noise_device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--noise-device cuda draws the noise on the GPU, but no CUDA device "
-                        "is available here; use --noise-device cpu")
-
-
 def check_args(args: argparse.Namespace) -> None:
     """The checks that need only the flags; sets ``args.prompt`` from --prompt-file."""
     args.prompt = read_prompt(args)
-    _utf8(args.negative_prompt, "--negative-prompt")
-    check_num_frames(args.num_frames)
-    check_seed(args.seed, max(args.data_parallel_size, 1))
-    if args.max_memory_gib is not None and not args.max_memory_gib > 0:
-        raise UserError(f"--max-memory-gib must be > 0, got {args.max_memory_gib!r}")
+    if args.negative_prompt is not None:
+        _utf8(args.negative_prompt, "--negative-prompt")
 
 
 def _output_files(output: Path, dp_size: int) -> list[Path]:
@@ -137,35 +117,6 @@ def check_output(output: Path, overwrite: bool, dp_size: int) -> None:
         if (f.exists() or f.is_symlink()) and not overwrite:
             raise UserError(f"--output {str(output)!r}: {str(f)!r} already exists, "
                             "pass --overwrite to replace it or pick another path")
-
-
-def check_memory(args: argparse.Namespace, model: Any, request: Any, parallel: Any,
-                 world: int) -> None:
-    """Refuse a request whose per-rank memory estimate exceeds the limit (see
-    `headmoe.planner.memory`; with ``--offload-layers`` the streamed estimate)."""
-    import torch
-
-    from headmoe.cli.plan import stream_settings
-    from headmoe.planner.memory import check_fits, estimate_memory, memory_limit
-    from headmoe.planner.request import RequestShape
-
-    shape = RequestShape.from_media(
-        height=request.height, width=request.width, num_frames=request.num_frames,
-        fps=request.fps, text_tokens=256, uncond_text_tokens=256)
-    est = estimate_memory(model, shape, parallel, request.torch_dtype,
-                          (request.num_frames, request.height, request.width),
-                          request.audio_samples(44100), stream=stream_settings(args, model.num_layers))
-    if args.max_memory_gib is not None:
-        limit, source = int(args.max_memory_gib * GIB), "--max-memory-gib"
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        limit, source = memory_limit(local, torch.cuda.is_available())
-    what = (f"--model {args.model} (config {getattr(model, 'name', '?')}) at "
-            f"{request.num_frames} frames of {request.width}x{request.height}")
-    try:
-        check_fits(est, limit, source, what)
-    except ValueError as e:
-        raise UserError(str(e)) from None
 
 
 def report_conversions(report: Any) -> None:

@@ -71,6 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "compare",
         help="run one request under several layouts; compare times, bytes, hashes",
         description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,  # --output is generate's, not an abbreviation of --output-dir
     )
     p.add_argument(
         "--layouts",
@@ -312,14 +313,27 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def check_request(args: argparse.Namespace) -> None:
-    """Refuse, before any run: a layout the model cannot run (named), and the forwarded
-    prompt / frame / seed flags `generate` would refuse."""
-    from headmoe.cli import checks
+def _model_config(args: argparse.Namespace) -> Any:
+    """The transformer configuration ``--model`` / ``--model-config`` give, reading no
+    weight: the tiny preset, a release folder's (`release_config`) or a checkpoint's."""
     from headmoe.pipeline.magi2 import resolve_model
+    from headmoe.pipeline.release import is_release_folder, release_config
+
+    if args.model != "tiny" and is_release_folder(args.model):
+        return release_config(Path(args.model).expanduser(), args.model_config)
+    return resolve_model(args.model, args.cache_dir, args.model_config, write=False)[0]
+
+
+def check_request(args: argparse.Namespace) -> None:
+    """Refuse, before any run: a layout the model cannot run (named), and a request the
+    forwarded flags give that admission refuses under any of the layouts (the memory
+    estimate is each run's own, with its layout's ranks)."""
+    from headmoe.admission import Deployment, admit
+    from headmoe.cli import checks
+    from headmoe.cli.generate import given_request
     from headmoe.planner.predict import layout_topology
 
-    model, _ = resolve_model(args.model, args.cache_dir, args.model_config, write=False)
+    model = _model_config(args)
     parallels = []
     for name in args.layouts:
         try:
@@ -327,9 +341,11 @@ def check_request(args: argparse.Namespace) -> None:
         except ValueError as e:
             raise UserError(f"--layouts {name!r} cannot run model {model.name!r}: {e}, "
                             "drop or fix that layout (nothing has run)") from None
-    checks.read_prompt(argparse.Namespace(prompt=args.prompt, prompt_file=args.prompt_file))
-    checks.check_num_frames(args.num_frames)
-    checks.check_seed(args.seed, max(p.data_parallel_size for p in parallels))
+    prompt = checks.read_prompt(argparse.Namespace(prompt=args.prompt,
+                                                   prompt_file=args.prompt_file))
+    given = {**given_request(args), "prompt": prompt}
+    for parallel in parallels:
+        admit(given, Deployment(model, parallel))
 
 
 def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
@@ -340,6 +356,9 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
         raise UserError(f"--run-timeout must be > 0, got {args.run_timeout!r}, e.g. 3600")
     runner = runner or functools.partial(subprocess_runner, timeout=args.run_timeout)
     check_request(args)  # every layout and the forwarded flags, before any run
+    if args.output_dir is not None and Path(args.output_dir).exists() \
+            and not Path(args.output_dir).is_dir():
+        raise UserError(f"--output-dir {args.output_dir!r} is a file, pick a folder")
     flags = generate_flags(args) + (["--debug"] if getattr(args, "debug", False) else [])
     with tempfile.TemporaryDirectory(prefix="headmoe-compare-") as tmp:
         out_dir = Path(args.output_dir or tmp)

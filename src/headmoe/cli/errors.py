@@ -20,7 +20,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from headmoe.errors import RuntimeFault, UserError
+from headmoe.errors import Refusal, RuntimeFault, UserError
 
 BAD_INPUT, FAULT, INTERRUPTED = 2, 1, 130
 __all__ = ["BAD_INPUT", "FAULT", "INTERRUPTED", "RuntimeFault", "UserError", "run_guarded"]
@@ -64,6 +64,11 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
         return _launch_message(exc)
     if isinstance(exc, RuntimeFault):
         return FAULT, one_line(exc)
+    if isinstance(exc, Refusal):  # a request field: its name shown as the flag that sets it
+        from headmoe.cli.generate import flagify
+
+        message = flagify(one_line(exc.message), assignments_only=True)
+        return BAD_INPUT, f"{message}, see 'headmoe {command} --help'"
     if isinstance(exc, UserError):
         return BAD_INPUT, one_line(exc)
     if isinstance(exc, ValueError):  # flag validation: the message names the flag

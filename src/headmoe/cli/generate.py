@@ -18,30 +18,39 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from headmoe.admission import (
+    INPUT_FIELDS,
+    Admitted,
+    Deployment,
+    admit,
+    check_given,
+    local_ranks,
+    memory_budget,
+)
 from headmoe.cli import checks
 from headmoe.cli.plan import add_stream_arguments
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.distributed.launch import launch_local, set_rank_threads, torchrun_env
 from headmoe.distributed.topology import plan_topology
-from headmoe.errors import UserError
-from headmoe.pipeline.encoders import TinyAudioDecoder, TinyVideoDecoder
+from headmoe.errors import Refusal, UserError
 from headmoe.pipeline.job import MIN_TIMEOUT_S
+from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE, VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
 
-_REQ_DEFAULTS = {f.name: f.default for f in fields(GenerateRequest)}
 #: the layout flags are the fields of `ParallelConfig` (dest = field name)
 LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ParallelConfig))
 
 #: config / request field -> flag, for error messages
 FLAGS: dict[str, str] = {
-    **{name: "--" + name.replace("_", "-") for name in _REQ_DEFAULTS},
+    **{name: "--" + name.replace("_", "-") for name in INPUT_FIELDS},
     **{
         name: "--" + name.replace("_", "-")
         for name in (
@@ -63,11 +72,13 @@ FLAGS: dict[str, str] = {
 }
 
 
-def flagify(message: str) -> str:
-    """Rewrite field names in a validation message as the flags that set them: a leading
-    ``name `` and every ``name=``."""
+def flagify(message: str, assignments_only: bool = False) -> str:
+    """Rewrite field names in a validation message as the flags that set them: every
+    ``name=`` and (unless ``assignments_only``, as for admission's refusals, which always
+    write ``name=value``) a leading or free-standing ``name ``."""
+    follow = "=" if assignments_only else "[= ]"
     for name, flag in FLAGS.items():
-        message = re.sub(rf"(?:^|(?<=[\s(,'\"])){name}(?=[= ])", flag, message)
+        message = re.sub(rf"(?:^|(?<=[\s(,'\"])){name}(?={follow})", flag, message)
     return message
 
 
@@ -76,13 +87,16 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "generate",
         help="text -> video + audio mp4",
-        description="Generate a video with sound from a prompt, on one or many ranks.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Generate a video with sound from a prompt, on one or many ranks. "
+        "Request flags left out take the model's recipe: the embedded tiny release's fast "
+        "CPU defaults, or MAGI-2 Preview's released recipe (540p, 10 s, 100 steps, bf16 on a "
+        "GPU, shift 7, guidance 5.0/7.0, the released negative prompt, seed 42); the sidecar "
+        "records which fields came from a flag.",
     )
     _add_model_flags(p)
     _add_request_flags(p)
     _add_refiner_flags(p)
-    _add_layout_flags(p)
+    add_layout_flags(p)
     _add_run_flags(p)
     checks.add_arguments(p)
     p.set_defaults(run=run)
@@ -127,15 +141,18 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="tiny",
-        help="'tiny' (embedded tiny release folder, random weights), a MAGI-2 Preview release "
-        "folder (preview/, text_encoder/, turbo_vae/, vae/, stable-audio-open-1.0/), or a "
-        "transformer checkpoint (.safetensors / .safetensors.index.json; stand-in encoders)",
+        help="'tiny' (embedded tiny release folder, random weights; the default), a MAGI-2 "
+        "Preview release folder (preview/, text_encoder/, turbo_vae/, vae/, "
+        "stable-audio-open-1.0/), or a transformer checkpoint (.safetensors / "
+        ".safetensors.index.json; stand-in encoders)",
     )
     p.add_argument(
         "--model-config",
         default=None,
-        help="model config of a checkpoint file: a preset (tiny, magi2-preview) or a JSON file "
-        "in the public MAGI-2 config schema; default: the config.json next to the checkpoint",
+        help="transformer configuration: a preset (tiny, magi2-preview) or a JSON file in the "
+        "public MAGI-2 config schema (default: a checkpoint file's config.json next to it; a "
+        "release folder's preview/config.json, or magi2-preview where it has none, as "
+        "published)",
     )
     p.add_argument(
         "--video-decoder",
@@ -154,13 +171,22 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cache-dir",
         default="~/.cache/headmoe",
-        help="where the tiny release folder is written once",
+        help="where the tiny release folder is written once (default: ~/.cache/headmoe)",
     )
 
 
+def _both(field: str, fmt: Callable[[Any], str] = str) -> str:
+    """"(default: X for the tiny release, Y for MAGI-2 Preview)" of a request field."""
+    tiny, rel = TINY.values[field], RELEASED.values[field]
+    if fmt(tiny) == fmt(rel):
+        return f"(default: {fmt(tiny)})"
+    return f"(default: {fmt(tiny)} for the tiny release, {fmt(rel)} for MAGI-2 Preview)"
+
+
 def _add_request_flags(p: argparse.ArgumentParser) -> None:
-    """The request: prompts, size, steps, seed, guidance, sampler, dtype."""
-    d = _REQ_DEFAULTS
+    """The request: prompts, size, steps, seed, guidance, sampler, dtype. Every default is
+    None: admission fills what is not given from the model's recipe and records which
+    fields came from a flag (`headmoe.admission`)."""
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument(
         "--prompt",
@@ -175,60 +201,87 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
         help="image-to-video: a PNG, JPEG or WebP file whose content becomes the first frame "
         "(release folders; the prompt gets the <Figure 1> marker)",
     )
+    p.add_argument("--negative-prompt", default=None,
+                   help="text of the unconditional branch (default: headmoe's short list for "
+                   "the tiny release, the released 1,721-character text for MAGI-2 Preview)")
+    p.add_argument("--resolution", default=None, metavar="{" + ",".join(RESOLUTIONS) + "}",
+                   help="size preset: " + ", ".join(f"{k} = {w}x{h}" for k, (h, w) in
+                                                      RESOLUTIONS.items())
+                   + " (1080p needs the refiner, not yet available) (default: 540p for "
+                   "MAGI-2 Preview; the tiny release uses --height/--width)")
+    p.add_argument("--size", default=None, metavar="WxH",
+                   help="width x height in pixels, e.g. 896x512 (the HTTP API's size field)")
+    p.add_argument("--height", type=int, default=None,
+                   help=f"pixels, a multiple of 16 {_both('height')}")
+    p.add_argument("--width", type=int, default=None,
+                   help=f"pixels, a multiple of 16 {_both('width')}")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="clip length; num_frames = the largest 4k+1 <= seconds x fps (the "
+                   "release makes 10 s = 125 frames at 12.5 fps; other lengths are headmoe's "
+                   "extension, noted in the sidecar) (default: 10 for MAGI-2 Preview; the "
+                   "tiny release uses --num-frames)")
+    p.add_argument("--num-frames", type=int, default=None,
+                   help=f"output frames, of the form 4k+1 {_both('num_frames')}")
+    p.add_argument("--fps", type=float, default=None, help=f"frame rate {_both('fps')}")
+    p.add_argument("--num-inference-steps", type=int, default=None,
+                   help=f"denoising steps {_both('num_inference_steps')}")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"noise seed; data-parallel group k uses seed + k {_both('seed')}")
+    p.add_argument("--guidance-scale", type=float, default=None,
+                   help=f"video CFG scale {_both('guidance_scale')}")
+    p.add_argument("--audio-guidance-scale", type=float, default=None,
+                   help=f"audio CFG scale {_both('audio_guidance_scale')}")
+    p.add_argument("--shift", type=float, default=None,
+                   help=f"flow-matching time shift {_both('shift')}")
+    p.add_argument("--sampler", choices=SAMPLERS, default=None,
+                   help="unipc: the released scheduler (docs/pipeline.md section 3) "
+                   f"{_both('sampler')}")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="transformer dtype (default: fp32 for the tiny release; MAGI-2 "
+                   "Preview: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument(
-        "--negative-prompt",
-        default=d["negative_prompt"],
-        help="text of the unconditional branch (default: headmoe's own list of defects)",
-    )
-    p.add_argument("--height", type=int, default=d["height"])
-    p.add_argument("--width", type=int, default=d["width"])
-    p.add_argument("--num-frames", type=int, default=d["num_frames"])
-    p.add_argument("--fps", type=float, default=d["fps"])
-    p.add_argument("--num-inference-steps", type=int, default=d["num_inference_steps"])
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=d["seed"],
-        help="noise seed; data-parallel group k uses seed + k",
-    )
-    p.add_argument(
-        "--guidance-scale", type=float, default=d["guidance_scale"], help="video CFG scale"
-    )
-    p.add_argument("--audio-guidance-scale", type=float, default=d["audio_guidance_scale"])
-    p.add_argument("--shift", type=float, default=d["shift"], help="flow-matching time shift")
-    p.add_argument("--sampler", choices=SAMPLERS, default=d["sampler"],
-                   help="the released UniPC scheduler (docs/pipeline.md section 3)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=d["dtype"])
-    p.add_argument(
-        "--noise-device", choices=NOISE_DEVICES, default=d["noise_device"],
+        "--noise-device", choices=NOISE_DEVICES, default=None,
         help="generator of the initial noise: cpu gives the same bytes on every layout and "
-        "machine; cuda draws on the GPU as the reference does (values depend on the GPU model)",
+        "machine; cuda draws on the GPU as the reference does (values depend on the GPU "
+        f"model) {_both('noise_device')}",
     )
 
 
-def _add_layout_flags(p: argparse.ArgumentParser) -> None:
+def given_request(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields the flags give (those not None), ``prompt`` included when read."""
+    return {k: getattr(args, k) for k in INPUT_FIELDS if getattr(args, k, None) is not None}
+
+
+def add_layout_flags(p: argparse.ArgumentParser) -> None:
     """SP, CFG, DP and head-EP degrees and the MoE exchange."""
-    p.add_argument("--ulysses-degree", type=int, default=1)
-    p.add_argument("--cfg-parallel-size", type=int, default=1)
+    p.add_argument("--ulysses-degree", type=int, default=1,
+                   help="SP: ranks that share one sequence (Ulysses) (default: 1)")
+    p.add_argument("--cfg-parallel-size", type=int, default=1,
+                   help="1: both CFG branches in one forward; 2: one branch per SP group "
+                   "(default: 1)")
     p.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
-        help="independent requests; group k writes <stem>.dp<k>.mp4",
+        help="independent requests; group k writes <stem>.dp<k>.mp4 (default: 1)",
     )
-    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the MoE layers' heads over EP ranks of the SP group")
     p.add_argument(
         "--expert-parallel-size",
         type=int,
         default=None,
         help="EP degree (divides --ulysses-degree); default: the SP group",
     )
-    p.add_argument("--moe-exchange", choices=MOE_EXCHANGES, default="auto")
+    p.add_argument("--moe-exchange", choices=MOE_EXCHANGES, default="auto",
+                   help="where MoE tokens are exchanged: ep_group, sp_group or auto (the MoE "
+                   "layer's rule, docs/parallelism.md) (default: auto)")
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """--output, --nproc, --timeout, --no-progress."""
-    p.add_argument("--output", default="output.mp4", help="mp4 path; sidecar: .json next to it")
+    p.add_argument("--output", default="output.mp4",
+                   help="mp4 path; sidecar: .json next to it (default: output.mp4)")
     p.add_argument(
         "--nproc",
         type=int,
@@ -240,62 +293,78 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="seconds any collective may wait before the job fails and the rank that "
-        "stopped responding is named",
+        "stopped responding is named (default: 60)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def parallel_from_args(args: argparse.Namespace) -> ParallelConfig:
+    """The layout the flags give (the flags are `ParallelConfig`'s fields)."""
+    return ParallelConfig(**{name: getattr(args, name) for name in LAYOUT_FIELDS})
+
+
+def world_from_args(args: argparse.Namespace, parallel: ParallelConfig) -> int:
+    """The world size: torchrun's, else ``--nproc``, else the layout's; it must be the
+    layout's (`plan_topology` checks the rest). Raises `ValueError` naming the flags."""
+    env = torchrun_env()
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be a positive number of ranks, got {args.nproc}")
+    if env is not None and args.nproc is not None and args.nproc != env.world_size:
+        raise ValueError(
+            f"--nproc {args.nproc} does not match the torchrun world of {env.world_size} "
+            "ranks (leave --nproc out under torchrun)"
+        )
+    world = env.world_size if env is not None else (args.nproc or parallel.world_size)
+    if world != parallel.world_size:
+        raise ValueError(
+            f"{'the torchrun world' if env else '--nproc'} has {world} ranks but the "
+            f"layout needs --ulysses-degree {parallel.ulysses_degree} x --cfg-parallel-size "
+            f"{parallel.cfg_parallel_size} x --data-parallel-size "
+            f"{parallel.data_parallel_size} = {parallel.world_size}"
+        )
+    plan_topology(world, parallel)
+    return world
+
+
 def build_job(args: argparse.Namespace) -> tuple[Any, int]:
     """Validate every flag and build the `GenerateJob` and the world size (pure checks plus
-    writing the tiny checkpoint once). Raises `ValueError` with flag names."""
+    writing the tiny release once). Raises `Refusal` for a refused request field (reported
+    with the fields as flags), `ValueError` with flag names for the rest."""
+    job, world, _ = build(args)
+    return job, world
+
+
+def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
+    """`build_job` plus the `Deployment` its request was admitted on (serve keeps it)."""
     from headmoe.pipeline.job import GenerateJob
 
-    checks.check_args(args)  # prompt, --num-frames, --seed: before anything else
+    checks.check_args(args)  # the prompt (--prompt-file read, capped) and --max-memory-gib
     try:
-        request = GenerateRequest(
-            **{k: getattr(args, k) for k in _REQ_DEFAULTS if k != "prompt"}, prompt=args.prompt
-        )
-        parallel = ParallelConfig(
-            ulysses_degree=args.ulysses_degree,
-            cfg_parallel_size=args.cfg_parallel_size,
-            data_parallel_size=args.data_parallel_size,
-            enable_expert_parallel=args.enable_expert_parallel,
-            expert_parallel_size=args.expert_parallel_size,
-            moe_exchange=args.moe_exchange,
-        )
-        env = torchrun_env()
-        if env is not None and args.nproc is not None and args.nproc != env.world_size:
-            raise ValueError(
-                f"--nproc {args.nproc} does not match the torchrun world of {env.world_size} "
-                "ranks (leave --nproc out under torchrun)"
-            )
-        world = env.world_size if env is not None else (args.nproc or parallel.world_size)
-        if world != parallel.world_size:
-            raise ValueError(
-                f"{'the torchrun world' if env else '--nproc'} has {world} ranks but the "
-                f"layout needs --ulysses-degree {parallel.ulysses_degree} x --cfg-parallel-size "
-                f"{parallel.cfg_parallel_size} x --data-parallel-size "
-                f"{parallel.data_parallel_size} = {parallel.world_size}"
-            )
-        plan_topology(world, parallel)
-        checks.check_noise_device(request.noise_device)
+        given = given_request(args)
+        check_given(given)  # every request field, before anything is written
+        parallel = parallel_from_args(args)
+        world = world_from_args(args, parallel)
         if not args.timeout >= MIN_TIMEOUT_S:  # NaN too
-            raise ValueError(f"timeout must be >= {MIN_TIMEOUT_S:g} seconds (it also bounds "
+            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
                              f"joining the ranks), got {args.timeout!r}")
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
         checks.check_output(output, args.overwrite, parallel.data_parallel_size)
-        model_config, checkpoint, release = _checked_model(args, request, parallel, world)
+        admitted, dep, checkpoint, release = _checked_model(args, given, parallel, world)
         refiner = refiner_stage(args, release, parallel)
+    except Refusal:
+        raise
     except ValueError as exc:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flagify(str(exc))) from None
-    image = _image(args, request, release)  # its messages name --image themselves
+    for note in admitted.notes:
+        print(f"headmoe: note: {note}", file=sys.stderr)
+    image = _image(args, admitted.request, release)  # its messages name --image themselves
     job = GenerateJob(
-        request,
+        admitted.request,
         parallel,
-        model_config,
+        dep.model_config,
         checkpoint,
         str(output),
         timeout_s=args.timeout,
@@ -304,12 +373,38 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
         overwrite=args.overwrite,
         offload_layers=getattr(args, "offload_layers", False),
         resident_layers=getattr(args, "resident_layers", 0),
-        extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else []},
+        extra={"command": ["headmoe", *sys.argv[1:]] if sys.argv else [],
+               "admission": admitted.describe()},
         release=release,
         image=image,
         refiner=refiner,
     )
-    return job, world
+    return job, world, dep
+
+
+def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelConfig,
+               world: int, release: Any) -> Deployment:
+    """The `Deployment` a request of ``args`` runs on (generate's and serve's): the device
+    ranks use, the memory budget (``--max-memory-gib`` or the detected limit), the text
+    encoder's token count."""
+    from headmoe.cli.plan import stream_settings
+    from headmoe.distributed.context import rank_device
+    from headmoe.pipeline.text_encoder import TokenCounter
+
+    device = rank_device().type
+    budget = memory_budget(args.max_memory_gib, "--max-memory-gib", local_ranks(world), device)
+    count = TokenCounter(release.text_encoder) if release is not None else None
+    name = getattr(model_config, "name", "?")
+    return Deployment(model_config, parallel, device, count, budget,
+                      f"--model {args.model} (config {name})",
+                      stream_settings(args, model_config.num_layers))
+
+
+def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
+                   world: int) -> tuple[Admitted, Deployment, str, Any]:
+    """(admitted request, deployment, transformer checkpoint, release or None) of
+    ``--model``, with every header, the layout and the request (admission, memory estimate
+    included) checked before any weight is built."""
 
 
 def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
@@ -328,18 +423,19 @@ def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> 
         raise UserError(str(exc)) from None
 
 
-def _checked_model(args: argparse.Namespace, request: GenerateRequest,
-                   parallel: ParallelConfig, world: int) -> tuple[Any, str, Any]:
-    """(model config, transformer checkpoint, release or None) of ``--model``, with every
-    header, the layout and the memory estimate checked before any weight is built."""
+def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
+                   world: int) -> tuple[Admitted, Deployment, str, Any]:
+    """(admitted request, deployment, transformer checkpoint, release or None) of
+    ``--model``, with every header, the layout and the request (admission, memory estimate
+    included) checked before any weight is built."""
     from headmoe.models.magi2 import check_checkpoint, validate_parallel
     from headmoe.pipeline.magi2 import resolve_model
     from headmoe.pipeline.release import is_release_folder
 
     if args.model == "tiny" or is_release_folder(args.model):
-        release = _release(args, request, parallel)  # checks every header
+        release = _release(args, parallel)  # checks every header
         model_config, checkpoint = release.model_config, release.transformer
-        checks.check_memory(args, model_config, request, parallel, world)
+        dep = deployment(args, model_config, parallel, world, release)
     else:
         release = None
         for name in ("video_decoder", "offload"):
@@ -350,9 +446,8 @@ def _checked_model(args: argparse.Namespace, request: GenerateRequest,
             args.model, args.cache_dir, args.model_config, write=False
         )
         validate_parallel(model_config, parallel)
-        TinyVideoDecoder(1).latent_shape(request.num_frames, request.height, request.width)
-        request.audio_samples(TinyAudioDecoder.sample_rate)
-        checks.check_memory(args, model_config, request, parallel, world)  # before any weight
+        dep = deployment(args, model_config, parallel, world, None)
+        admit(given, dep)  # before the tiny checkpoint is written
         _, checkpoint = resolve_model(args.model, args.cache_dir, args.model_config)
     if release is None or args.check_weights:
         headers, report = check_checkpoint(model_config, checkpoint)  # headers only
@@ -361,33 +456,32 @@ def _checked_model(args: argparse.Namespace, request: GenerateRequest,
             checks.scan_weights(checkpoint, headers, report.prefix)
             if release is not None:
                 checks.scan_components(release)
-    return model_config, checkpoint, release
+    return admit(given, dep), dep, checkpoint, release
 
 
-def _release(args: argparse.Namespace, request: GenerateRequest, parallel: ParallelConfig):
+def _release(args: argparse.Namespace, parallel: ParallelConfig):
     """The checked `Release` of ``--model`` ('tiny': the embedded folder, written once after
-    the cheap checks pass). Raises `ValueError` naming the flag, file or tensor."""
+    the cheap checks pass; a folder without preview/config.json is read as MAGI-2 Preview,
+    ``--model-config`` supplies or replaces its configuration). Raises `ValueError` naming
+    the flag, file or tensor."""
     import dataclasses
 
     from headmoe.models.magi2 import get_config, validate_parallel
     from headmoe.pipeline import release as rel
-    from headmoe.pipeline import video_latents
 
-    if args.model_config is not None:
-        raise ValueError(f"model_config applies to a checkpoint file; the release folder "
-                         f"model={args.model!r} carries preview/{rel.MODEL_CONFIG}")
     video = args.video_decoder or "turbo"
-    video_latents.latent_shape(request.num_frames, request.height, request.width)
-    request.audio_samples(44100)
     image = getattr(args, "image", None) is not None
     if args.model == "tiny":
+        if args.model_config is not None:
+            raise ValueError("model_config applies to a release folder or a checkpoint file, "
+                             "not to the embedded model='tiny'")
         validate_parallel(get_config("tiny"), parallel)
         found = rel.find_release(rel.tiny_release(args.cache_dir), video, args.offload, image)
         found = dataclasses.replace(
             found, model_config=dataclasses.replace(found.model_config, name="tiny")
         )
     else:
-        found = rel.find_release(args.model, video, args.offload, image)
+        found = rel.find_release(args.model, video, args.offload, image, args.model_config)
         validate_parallel(found.model_config, parallel)
     rel.check_release(found)  # headers only, before any rank starts
     return found
@@ -395,9 +489,7 @@ def _release(args: argparse.Namespace, request: GenerateRequest, parallel: Paral
 
 def run(args: argparse.Namespace) -> int:
     """Run ``headmoe generate``; returns the exit code."""
-    import torch
-
-    from headmoe.distributed.context import ParallelContext
+    from headmoe.distributed.context import ParallelContext, rank_device
     from headmoe.pipeline.job import launched_rank, run_job
 
     t0 = time.perf_counter()
@@ -415,9 +507,7 @@ def run(args: argparse.Namespace) -> int:
         results = [record(launched_rank)(job)]
     elif world == 1:
         set_rank_threads(1)  # the cores this process may use, not the machine's
-        ctx = ParallelContext.single(job.parallel)
-        if torch.cuda.is_available():  # where launched ranks run too (NCCL, cuda)
-            ctx.device = torch.device("cuda", torch.cuda.current_device())
+        ctx = ParallelContext.single(job.parallel, device=rank_device())
         results = [run_job(ctx, job)]
     else:
         for name in ("torch.distributed.elastic", "torch.multiprocessing"):

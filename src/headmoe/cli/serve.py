@@ -16,98 +16,130 @@ SIGTERM (or Ctrl-C) drains: no new jobs, the current one finishes or is cancelle
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import socket
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from headmoe.config import MOE_EXCHANGES
-from headmoe.pipeline.request import DTYPES, GenerateRequest
-
-GIB = 1 << 30
+from headmoe.admission import INPUT_FIELDS
+from headmoe.errors import Refusal
+from headmoe.pipeline.request import DTYPES
 
 
 def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
+    from headmoe.cli.checks import add_memory_flag
+    from headmoe.cli.generate import add_layout_flags
+
     p = subparsers.add_parser(
         "serve",
         help="resident ranks behind an HTTP video API",
-        description="Load the model once on every rank and serve /v1/videos over HTTP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Load the model once on every rank and serve /v1/videos over HTTP. "
+        "Request fields a client leaves out take the model's recipe (see 'headmoe generate "
+        "--help'); docs/serving.md lists the fields and limits.",
     )
-    p.add_argument("--model", default="tiny", help="'tiny', a release folder or a checkpoint path")
-    p.add_argument("--model-config", default=None, help="preset of a checkpoint without config.json")
-    p.add_argument("--cache-dir", default="~/.cache/headmoe", help="where 'tiny' is written once")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
-    p.add_argument("--ulysses-degree", type=int, default=1)
-    p.add_argument("--cfg-parallel-size", type=int, default=1)
-    p.add_argument("--data-parallel-size", type=int, default=1, help="must be 1 (reserved)")
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--expert-parallel-size", type=int, default=None,
-                   help="EP degree (divides --ulysses-degree); default: the SP group")
-    p.add_argument("--moe-exchange", choices=MOE_EXCHANGES, default="auto")
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (the default), a release folder or a checkpoint path")
+    p.add_argument("--model-config", default=None,
+                   help="transformer configuration: a preset or a JSON file (as generate)")
+    p.add_argument("--cache-dir", default="~/.cache/headmoe",
+                   help="where 'tiny' is written once (default: ~/.cache/headmoe)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="transformer dtype of every request (default: the model's recipe: "
+                   "fp32 for the tiny release; MAGI-2 Preview: bf16 on a GPU, fp32 on a CPU)")
+    add_layout_flags(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks (default: the layout's world size); not under torchrun")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds any collective may wait; a rank silent that long ends the server")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
+                   help="seconds any collective may wait; a rank silent that long ends the "
+                   "server (default: 300)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
+                   "127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="0 picks a free port (printed) (default: 8000)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--api-key-file", default=None,
                    help="read the API key from this file (keeps it out of the process list)")
-    p.add_argument("--max-queue", type=int, default=16, help="queued jobs before 429")
-    p.add_argument("--output-dir", default="headmoe-videos", help="where <id>.mp4/.json go")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="queued jobs before 429 (default: 16)")
+    p.add_argument("--output-dir", default="headmoe-videos",
+                   help="where <id>.mp4/.json go (default: headmoe-videos)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM lets the current job run before cancelling it")
-    p.add_argument("--memory-gib", type=float, default=None,
-                   help="per-rank memory budget of the request estimate (default: GPU memory, "
-                        "or RAM / ranks on CPU; 0: no check)")
+                   help="seconds SIGTERM lets the current job run before cancelling it "
+                   "(default: 30)")
+    add_memory_flag(p, "--memory-gib")
     p.add_argument("--log-level", default="warning",
-                   choices=("critical", "error", "warning", "info", "debug"))
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default: warning)")
     p.set_defaults(run=run)
 
 
-#: generate flags a server fixes for every request (its outputs are server-named files;
-#: the memory check is the server's own, against --memory-gib)
-GENERATE_ONLY = {"overwrite": True, "max_memory_gib": None, "check_weights": False,
-                 "prompt_file": None, "video_decoder": None, "offload": False,
-                 "offload_layers": False, "resident_layers": 0}
+#: generate flags a server fixes for every request (its outputs are server-named files),
+#: and the smallest request, admitted at start: the model alone must fit the budget
+GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
+                 "video_decoder": None, "offload": False, "offload_layers": False,
+                 "resident_layers": 0, **{name: None for name in INPUT_FIELDS}, "prompt": "",
+                 "height": 16, "width": 16, "num_frames": 1}
 
 
-def _memory_budget(args: argparse.Namespace, world: int) -> int | None:
-    if args.memory_gib is not None:
-        if args.memory_gib < 0:
-            raise ValueError(f"--memory-gib must be >= 0, got {args.memory_gib!r}")
-        return None if args.memory_gib == 0 else int(args.memory_gib * GIB)
-    import torch
+def _check_output_dir(value: str) -> str:
+    """``--output-dir`` as an absolute path: an existing writable folder, or one that can
+    be created (its nearest existing parent is a writable folder)."""
+    path = os.path.abspath(os.path.expanduser(value))
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is not a folder" if not os.path.isdir(probe) else "is not writable"
+        raise ValueError(f"--output-dir {value!r}: {probe!r} {why}, pick a writable folder")
+    return path
 
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+
+def _check_host(host: str) -> None:
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host!r} is not a valid address ({exc}), e.g. 127.0.0.1 "
+                         "or 0.0.0.0") from None
 
 
 def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
     """Validate every flag (generate's checks plus the server's) and build the `ServeSpec`
     and the world size. Raises `ValueError` naming the flags."""
-    from headmoe.cli.generate import build_job
+    from headmoe.cli.generate import build, flagify
     from headmoe.serve.spec import ServeSpec
-    from headmoe.serve.validate import estimate_rank_bytes
 
     if args.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size must be 1 for serve, got {args.data_parallel_size}")
-    defaults = {f.name: f.default for f in fields(GenerateRequest)}
-    gen = argparse.Namespace(**{**defaults, **GENERATE_ONLY, **vars(args), "prompt": "",
-                                "output": "serve.mp4",
-                                "no_progress": True})
-    job, world = build_job(gen)
+    output_dir = _check_output_dir(args.output_dir)
+    _check_host(args.host)
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.drain_timeout <= 0:
+    if not 0 < args.drain_timeout < math.inf:
         raise ValueError(f"--drain-timeout must be > 0 seconds, got {args.drain_timeout!r}")
+    _api_key(args)
+    gen = argparse.Namespace(**{**vars(args), **GENERATE_ONLY, "dtype": args.dtype,
+                                "output": "serve.mp4", "no_progress": True})
+    try:
+        job, world, dep = build(gen)
+    except Refusal as exc:  # the smallest request: the model alone does not fit
+        raise ValueError("the weights alone do not fit: "
+                         + flagify(exc.message, assignments_only=True)) from None
+    spec = ServeSpec(job.parallel, job.model_config, job.checkpoint, args.model,
+                     job.request.dtype, output_dir, args.host, args.port, args.api_key,
+                     args.max_queue, args.timeout, args.drain_timeout,
+                     dep.budget.limit, log_level=args.log_level, release=job.release,
+                     deployment=dep)
+    return spec, world
+
+
+def _api_key(args: argparse.Namespace) -> None:
+    """``--api-key`` / ``--api-key-file`` into ``args.api_key`` (one of them, not empty)."""
     if args.api_key_file is not None:
         if args.api_key is not None:
             raise ValueError("give --api-key or --api-key-file, not both")
@@ -117,16 +149,6 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
             raise ValueError(f"--api-key-file {args.api_key_file!r}: {exc.strerror}") from None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty (leave it out for no authentication)")
-    spec = ServeSpec(job.parallel, job.model_config, job.checkpoint, args.model, args.dtype,
-                     os.path.abspath(os.path.expanduser(args.output_dir)), args.host, args.port,
-                     args.api_key, args.max_queue, args.timeout, args.drain_timeout,
-                     _memory_budget(args, world), log_level=args.log_level,
-                     release=job.release)
-    weights, act = estimate_rank_bytes(spec, GenerateRequest(prompt="", dtype=args.dtype))
-    if spec.memory_bytes is not None and weights + act > spec.memory_bytes:
-        raise ValueError(f"the model needs an estimated {(weights + act) / GIB:.2f} GiB per rank, "
-                         f"over the --memory-gib budget of {spec.memory_bytes / GIB:.2f} GiB")
-    return spec, world
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -26,6 +26,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def rank_device() -> torch.device:
+    """The device a rank of this process runs on when nothing else decides: the current
+    CUDA device where CUDA is available (where NCCL ranks run), else the CPU. One-rank
+    `generate` and `serve` use it, so a single rank runs where launched ranks run."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass
 class ParallelContext:
     """This rank's view of a job: its topology, coordinates and process groups.
@@ -47,11 +56,14 @@ class ParallelContext:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def single(cls, config: ParallelConfig | None = None) -> ParallelContext:
-        """A one-rank context; every group is None and no collective is ever issued."""
+    def single(cls, config: ParallelConfig | None = None,
+               device: torch.device | None = None) -> ParallelContext:
+        """A one-rank context on ``device`` (default the CPU); every group is None and no
+        collective is ever issued."""
         config = config or ParallelConfig()
         topo = plan_topology(1, config)
-        return cls(topology=topo, rank=0, _groups={a: None for a in AXES})
+        return cls(topology=topo, rank=0, device=device or torch.device("cpu"),
+                   _groups={a: None for a in AXES})
 
     @classmethod
     def initialize(

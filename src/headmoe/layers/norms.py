@@ -18,6 +18,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """
     if triton_runtime.use_triton(x):
         return triton_dense.rms_norm_rows(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`rms_norm` in torch ops on any device (the CPU path; on CUDA its rows are not
+    batch-invariant, see `rms_norm`). Same shapes and dtypes as `rms_norm`."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
 

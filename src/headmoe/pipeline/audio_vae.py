@@ -35,6 +35,13 @@ ENCODER_PREFIX = "pretransform.model.encoder."
 OTHER_PARTS = (ENCODER_PREFIX, "model.model.", "conditioner.conditioners.")
 LATENT_FPS = 25  # MAGI-2 audio latents per second of video
 RESAMPLE_NUM, RESAMPLE_DEN = 441, 512  # 51.2 kHz -> 44.1 kHz
+OUTPUT_SAMPLE_RATE = 44100  # Hz of the waveform headmoe writes (after the resampling)
+
+
+def audio_latent_length(duration_s: float) -> int:
+    """Audio latents of a ``duration_s``-second clip: `LATENT_FPS` per second, rounded up
+    (at least 1); the one rule of every audio decoder, the planner and admission."""
+    return max(1, math.ceil(round(duration_s * LATENT_FPS, 9)))
 RES_UNIT = ("snake1", "conv1", "snake2", "conv2")  # residual unit layers.0..3
 
 
@@ -212,7 +219,7 @@ class OobleckAudioDecoder:
     ``decode(latents, num_samples) -> [2, num_samples]`` float32 at 44.1 kHz in [-1, 1]
     (resampled 441/512, clamped as a 16-bit WAV would, then cut to ``num_samples``)."""
 
-    sample_rate = 44100  # after the 441/512 resampling
+    sample_rate = OUTPUT_SAMPLE_RATE  # after the 441/512 resampling
     tokens_per_second = LATENT_FPS
 
     def __init__(self, decoder: nn.Module, config: OobleckConfig):
@@ -220,8 +227,8 @@ class OobleckAudioDecoder:
         self.latent_channels, self.channels = config.latent_dim, config.out_channels
 
     def latent_length(self, duration_s: float) -> int:
-        """25 latents per second, rounded up (at least 1)."""
-        return max(1, math.ceil(round(duration_s * self.tokens_per_second, 9)))
+        """`audio_latent_length`."""
+        return audio_latent_length(duration_s)
 
     @torch.no_grad()
     def decode_51200(self, latents: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from headmoe.pipeline.audio_vae import LATENT_FPS, OUTPUT_SAMPLE_RATE, audio_latent_length
+from headmoe.pipeline.video_latents import SPATIAL_STRIDE, TEMPORAL_STRIDE, latent_shape
+
 if TYPE_CHECKING:
     from headmoe.models.magi2 import BranchInput
     from headmoe.pipeline.image import ReferenceImage
@@ -102,7 +105,7 @@ class ByteTextEncoder:
 class TinyVideoDecoder:
     """Linear per-token decoder, temporal stride 4, spatial stride 16 (see module doc)."""
 
-    t_stride, s_stride = 4, 16
+    t_stride, s_stride = TEMPORAL_STRIDE, SPATIAL_STRIDE
 
     def __init__(self, latent_channels: int, seed: int = VIDEO_SEED):
         self.latent_channels = latent_channels
@@ -113,12 +116,8 @@ class TinyVideoDecoder:
         )
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        for name, value, step in (("height", height, 16), ("width", width, 16)):
-            if value < step or value % step:
-                raise ValueError(f"{name} must be a positive multiple of {step}, got {value!r}")
-        if num_frames < 1:
-            raise ValueError(f"num_frames must be >= 1, got {num_frames!r}")
-        return (num_frames - 1) // self.t_stride + 1, height // 16, width // 16
+        """The decoders' one rule, `video_latents.latent_shape`."""
+        return latent_shape(num_frames, height, width)
 
     def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
         t, h, w, _ = latents.shape
@@ -132,7 +131,7 @@ class TinyVideoDecoder:
 class TinyAudioDecoder:
     """Linear per-token decoder: 25 tokens per second, 1764 mono samples each at 44.1 kHz."""
 
-    tokens_per_second, sample_rate, channels = 25, 44100, 1
+    tokens_per_second, sample_rate, channels = LATENT_FPS, OUTPUT_SAMPLE_RATE, 1
 
     def __init__(self, latent_channels: int, seed: int = AUDIO_SEED):
         self.latent_channels = latent_channels
@@ -140,7 +139,8 @@ class TinyAudioDecoder:
         self.weight = _weights(seed, (latent_channels, self.hop), latent_channels)
 
     def latent_length(self, duration_s: float) -> int:
-        return max(1, math.ceil(round(duration_s * self.tokens_per_second, 9)))
+        """The decoders' one rule, `audio_vae.audio_latent_length`."""
+        return audio_latent_length(duration_s)
 
     def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
         wave = torch.tanh(latents @ self.weight).reshape(1, -1)

@@ -24,7 +24,6 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from headmoe.config import ParallelConfig
+from headmoe.config import ParallelConfig, check_positive_number
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import set_rank_threads, torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
@@ -108,10 +107,10 @@ class GenerateJob:
     resident_layers: int = 0
 
     def __post_init__(self) -> None:
-        t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or not MIN_TIMEOUT_S <= t < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds >= {MIN_TIMEOUT_S:g} "
-                             f"(it also bounds joining the ranks), got {t!r}")
+        check_positive_number("timeout_s", self.timeout_s)
+        if self.timeout_s < MIN_TIMEOUT_S:
+            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
+                             f"joining the ranks), got {self.timeout_s!r}")
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:
@@ -194,8 +193,28 @@ def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) ->
                      device=dev)
     xa = torch.randn((1, t_audio, parts.audio_decoder.latent_channels), generator=gen,
                      device=dev)
-    return Noise(seed, xv[0].permute(1, 2, 3, 0).contiguous().to(ctx.device),
-                 xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate), gen)
+    noise = Noise(seed, xv[0].permute(1, 2, 3, 0).contiguous().to(ctx.device),
+                  xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate), gen)
+    if req.noise_device != "cpu" and ctx.world_size > 1:
+        digest = tensor_sha256(torch.cat([noise.video.reshape(-1), noise.audio.reshape(-1)]))
+        infos: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(infos, (ctx.coords.dp, digest))
+        check_same_noise(infos, req.noise_device)
+    return noise
+
+
+def check_same_noise(digests: Sequence[tuple[int, str]], noise_device: str) -> None:
+    """``digests[rank] = (dp index, noise digest)``: raise `ValueError` naming the ranks
+    whose noise differs from their DP group's first rank (GPUs of different models draw
+    different values on the CUDA generator)."""
+    first: dict[int, tuple[int, str]] = {}
+    for rank, (dp, digest) in enumerate(digests):
+        ref = first.setdefault(dp, (rank, digest))
+        if ref[1] != digest:
+            raise ValueError(
+                f"noise_device={noise_device!r}: rank {rank} drew other noise than rank "
+                f"{ref[0]} of the same request (the values of a GPU generator depend on the "
+                f"GPU model); run the job on one GPU model or use noise_device='cpu'")
 
 
 def _predict(ctx: ParallelContext, parts: Components, xv: torch.Tensor, xa: torch.Tensor,
@@ -272,11 +291,13 @@ def refiner_record(stage: Any, latent: torch.Tensor, infos: list[dict[str, Any]]
 
 
 def _gather_infos(ctx: ParallelContext, step_times: list[float],
-                  refine_times: list[float] | None = None) -> list[dict[str, Any]]:
-    """Every rank's step times (preview and refiner) and counters (one all-gather of small
-    host objects)."""
+                  refine_times: list[float] | None = None,
+                  text_runs: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Every rank's step times (preview and refiner), counters and text-encoder runs (None:
+    the encoder does not count them), in one all-gather of small host objects."""
     mine = {"rank": ctx.rank, "dp": ctx.coords.dp, "step_times_s": step_times,
-            "refine_step_times_s": refine_times, "counters": ctx.counters.summary()}
+            "refine_step_times_s": refine_times, "counters": ctx.counters.summary(),
+            "text_encoder_runs": text_runs}
     if ctx.world_size == 1:
         return [mine]
     infos: list[Any] = [None] * ctx.world_size
@@ -322,7 +343,8 @@ def run_request(
     if job.refiner is not None:
         xv, refine_times = refine(ctx, job, parts, noise, xv, texts, on_step)
         num_frames, fps = frame_count(xv.shape[0]), req.fps * REFINER_FPS_FACTOR
-    infos = _gather_infos(ctx, step_times, refine_times)
+    infos = _gather_infos(ctx, step_times, refine_times,
+                          getattr(parts.text_encoder, "runs", None))
     result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
               "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
     if (coords.sp, coords.cfg) != (0, 0):
@@ -378,6 +400,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "video_sha256": result["video_sha256"],
         "audio_sha256": result["audio_sha256"],
         "counters": {str(x["rank"]): x["counters"] for x in group},
+        "text_encoder_runs": {str(x["rank"]): x["text_encoder_runs"] for x in infos},
         "torch": torch.__version__,
         **job.extra,
     }

@@ -20,6 +20,7 @@ from headmoe.models.magi2 import (
     BranchInput,
     Magi2Config,
     Magi2Transformer,
+    config_from_arg,
     get_config,
     load_checkpoint,
     spec_digest,
@@ -161,14 +162,7 @@ def resolve_model(
             f".safetensors.index.json file, got {model!r}"
         )
     if model_config is not None:
-        if model_config in PRESETS:
-            return get_config(model_config), str(path)
-        if not Path(model_config).expanduser().is_file():
-            raise ValueError(
-                f"model_config={model_config!r} is neither a preset "
-                f"({', '.join(sorted(PRESETS))}) nor a JSON file"
-            )
-        return Magi2Config.from_json(Path(model_config).expanduser()), str(path)
+        return config_from_arg(model_config), str(path)
     cfg_file = path.parent / "config.json"
     if not cfg_file.is_file():
         raise ValueError(

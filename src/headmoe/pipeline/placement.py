@@ -26,7 +26,6 @@ fp32.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
-from headmoe.pipeline import video_latents
+from headmoe.pipeline import audio_vae, video_latents
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
 
 HOST = torch.device("cpu")
@@ -93,7 +92,9 @@ class NodeTextEncoder:
     """`TextEncoder` whose encoder runs on the node's first rank (``src``) and whose features
     every rank of the node receives by broadcast (see the module doc). ``encoder`` is a
     `Qwen35TextEncoder` on ``src`` and None elsewhere; ``group`` the node's process group
-    (None: the default group), ``size`` the node's ranks (1: no broadcast)."""
+    (None: the default group), ``size`` the node's ranks (1: no broadcast). ``runs``: how
+    many texts this rank's encoder has encoded (0 off ``src``; the sidecar's
+    ``text_encoder_runs``)."""
 
     def __init__(self, encoder: Any, out_channels: int, src: int, group: Any, size: int,
                  device: torch.device, offload: bool):
@@ -101,6 +102,7 @@ class NodeTextEncoder:
         self.src, self.group, self.size, self.device = src, group, size, device
         self.max_tokens = encoder.max_tokens if encoder is not None else MAX_TEXT_TOKENS
         self.placed = Placed(encoder.model, device, offload) if encoder is not None else None
+        self.runs = 0
 
     def encode(self, text: str) -> torch.Tensor:
         """``[L, out_channels]`` float32 on the CPU, the same on every rank of the node."""
@@ -110,6 +112,7 @@ class NodeTextEncoder:
         """On ``src``: ([L, C, tokens], features [L, C] float32)."""
         with self.placed.use():
             res = self.encoder.encode_batch([text])
+        self.runs += 1
         kept, count = res.lengths[0], res.token_counts[0]
         feats = res.features[0, :kept].float()
         return [kept, feats.shape[1], count], feats
@@ -323,16 +326,16 @@ class OutputAudioDecoder:
     """`AudioDecoder` with the Oobleck geometry (25 latents/s, 44.1 kHz after the 441/512
     resampling) on every rank and the decoder only on the output rank."""
 
-    sample_rate = 44100
-    tokens_per_second = 25
+    sample_rate = audio_vae.OUTPUT_SAMPLE_RATE
+    tokens_per_second = audio_vae.LATENT_FPS
 
     def __init__(self, config: Any, decoder: Any = None, placed: Placed | None = None):
         self.config, self.decoder, self.placed = config, decoder, placed
         self.latent_channels, self.channels = config.latent_dim, config.out_channels
 
     def latent_length(self, duration_s: float) -> int:
-        """25 latents per second, rounded up (at least 1), as `OobleckAudioDecoder`."""
-        return max(1, math.ceil(round(duration_s * self.tokens_per_second, 9)))
+        """`audio_vae.audio_latent_length`, as `OobleckAudioDecoder`."""
+        return audio_vae.audio_latent_length(duration_s)
 
     def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
         """``[T, 64]`` fp32 -> ``[2, num_samples]`` fp32 in [-1, 1] at 44.1 kHz."""
@@ -344,8 +347,6 @@ class OutputAudioDecoder:
 
 def output_audio_decoder(ctx: ParallelContext, release: Any) -> OutputAudioDecoder:
     """The Oobleck decoder (fp32) on the output rank; its configuration everywhere."""
-    from headmoe.pipeline import audio_vae
-
     config, _ = audio_vae.folder_config(release.audio_decoder)
     if not is_output_rank(ctx):
         return OutputAudioDecoder(config)

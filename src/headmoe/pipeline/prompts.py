@@ -181,14 +181,15 @@ def compact_markdown(prompt: Any) -> str | None:
 
 def normalize_prompt(prompt: str) -> str:
     """The text MAGI-2 tokenizes for ``prompt``: `compact_markdown` of a JSON object or list
-    with a ``global_layer``, else ``prompt`` unchanged."""
+    with a ``global_layer``, else ``prompt`` unchanged. JSON nested deeper than Python's
+    recursion limit (where the release's code fails) is used as written too."""
     try:
         parsed = json.loads(prompt)
-    except (json.JSONDecodeError, TypeError):
+        if not isinstance(parsed, dict | list):
+            return prompt
+        rendered = compact_markdown(parsed)
+    except (json.JSONDecodeError, TypeError, RecursionError):
         return prompt
-    if not isinstance(parsed, dict | list):
-        return prompt
-    rendered = compact_markdown(parsed)
     return prompt if rendered is None else rendered
 
 

@@ -6,7 +6,7 @@ Layout (paths relative to the folder; docs/pipeline.md section 7)::
     preview/config.json                      transformer config, public MAGI-2 schema
     preview/<name>.safetensors.index.json    transformer index (+ its shards next to it);
                                              or one preview/<name>.safetensors
-    text_encoder/config.json, tokenizer.json, tokenizer_config.json,
+    text_encoder/config.json, tokenizer.json, [tokenizer_config.json],
                  model.safetensors or model.safetensors.index.json (+ shards)
     turbo_vae/TurboV3-Wan22-TinyShallow_7_7.json, checkpoint.ckpt   (--video-decoder turbo)
     vae/Wan2.2_VAE.pth                                            (--video-decoder wan2.2)
@@ -120,10 +120,9 @@ def required_files(video_decoder: str) -> list[str]:
         if video_decoder == "turbo"
         else [f"{WAN_DIR}/{wan_vae.CHECKPOINT_FILE}"]
     )
-    text = [f"{TEXT_ENCODER_DIR}/{n}" for n in ("config.json", "tokenizer.json",
-                                                 "tokenizer_config.json")]
+    text = [f"{TEXT_ENCODER_DIR}/{n}" for n in ("config.json", "tokenizer.json")]
     audio = [f"{AUDIO_DIR}/{audio_vae.CONFIG_FILE}", f"{AUDIO_DIR}/{audio_vae.WEIGHTS_FILE}"]
-    return [f"{PREVIEW_DIR}/{MODEL_CONFIG}", *text, *video, *audio]
+    return [*text, *video, *audio]
 
 
 def _unreadable(path: Path) -> str | None:
@@ -135,6 +134,30 @@ def _unreadable(path: Path) -> str | None:
     except OSError as e:
         return e.strerror or type(e).__name__
     return None
+
+
+#: files read when present (the published release has neither)
+OPTIONAL_FILES = (f"{PREVIEW_DIR}/{MODEL_CONFIG}", f"{TEXT_ENCODER_DIR}/tokenizer_config.json")
+#: the configuration of a release folder without preview/config.json (the published
+#: release has none: every public loader hard-codes it, MAGI2.md section 7)
+IMPLIED_CONFIG = "magi2-preview"
+
+
+def release_config(base: Path, model_config: Any = None) -> Any:
+    """The transformer configuration of release folder ``base``: ``model_config`` when given
+    (a `Magi2Config`, a preset name or a JSON file), else ``preview/config.json`` when
+    present, else the `IMPLIED_CONFIG` preset; named after the folder."""
+    from headmoe.models.magi2 import Magi2Config, config_from_arg, get_config
+
+    if isinstance(model_config, str):
+        cfg = config_from_arg(model_config)
+    elif model_config is not None:
+        cfg = model_config
+    elif (base / PREVIEW_DIR / MODEL_CONFIG).is_file():
+        cfg = Magi2Config.from_json(base / PREVIEW_DIR / MODEL_CONFIG)
+    else:
+        return get_config(IMPLIED_CONFIG)
+    return dataclasses.replace(cfg, name=base.name)
 
 
 def find_refiner(base: Path) -> tuple[str | None, Any]:
@@ -156,20 +179,19 @@ def find_refiner(base: Path) -> tuple[str | None, Any]:
 
 def find_release(
     root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False,
-    image_encoder: bool | None = False,
+    image_encoder: bool | None = False, model_config: Any = None,
 ) -> Release:
     """The `Release` of folder ``root``: every file `required_files` lists, the transformer
     under ``preview/`` and the text encoder's weights must exist and be readable; all that
-    do not are named (relative to ``root``) in one `ValueError`. ``preview/config.json`` is
-    parsed (`Magi2Config.from_json`); headers are checked by `check_release`.
-    ``image_encoder``: True requires ``vae/Wan2.2_VAE.pth`` (image-to-video), None uses it
-    when present (a server), False leaves it out."""
-    from headmoe.models.magi2 import Magi2Config
-
+    do not are named (relative to ``root``) in one `ValueError`. The configuration is
+    `release_config`'s; headers are checked by `check_release`. ``image_encoder``: True
+    requires ``vae/Wan2.2_VAE.pth`` (image-to-video), None uses it when present (a server),
+    False leaves it out."""
     base = Path(root).expanduser()
     if not base.is_dir():
         raise ValueError(f"model={str(root)!r} is not a release folder")
     files = required_files(video_decoder)
+    files += [rel for rel in OPTIONAL_FILES if os.path.lexists(base / rel)]  # checked alike
     vae = f"{WAN_DIR}/{_wan_file()}"
     if image_encoder and vae not in files:
         files.append(vae)
@@ -184,12 +206,11 @@ def find_release(
             problems.append(f"{rel} ({why})")
     if problems:
         raise ValueError(f"release folder {str(base)!r}: " + ", ".join(problems))
-    cfg = Magi2Config.from_json(base / PREVIEW_DIR / MODEL_CONFIG)
     refiner, refiner_config = find_refiner(base)
     return Release(
         root=str(base),
         transformer=str(transformer),
-        model_config=dataclasses.replace(cfg, name=base.name),
+        model_config=release_config(base, model_config),
         text_encoder=str(base / TEXT_ENCODER_DIR),
         video_decoder=video_decoder,
         video_decoder_path=str(base / VIDEO_DECODER_DIRS[video_decoder]),
@@ -224,13 +245,15 @@ def check_release(release: Release) -> None:
     encoder (`check_text_encoder`; its width must be ``text_in_channels``), the chosen video
     decoder (`check_turbo_vae` / `check_wan_vae`; 48 latent channels =
     ``video_in_channels``), the image encoder's ``vae/`` when it is used, the audio decoder
-    (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``), then the transformer
-    (`check_checkpoint`). Raises a one-line
+    (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``), after the transformer
+    (`check_checkpoint`, first: a folder read with the wrong configuration is named by its
+    tensors), then the refiner. Raises a one-line
     `ValueError` naming the file or tensor."""
     from headmoe.models.magi2 import check_checkpoint
     from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
 
     cfg, root = release.model_config, Path(release.root)
+    _component(release.transformer, check_checkpoint, cfg, release.transformer)
     width = _component(release.text_encoder, text_encoder.check_text_encoder, release.text_encoder)
     pairs = [(f"{TEXT_ENCODER_DIR}/config.json hidden_size", width, "text_in_channels",
               cfg.text_in_channels)]
@@ -252,8 +275,7 @@ def check_release(release: Release) -> None:
     for what, value, field, want in pairs:
         if value != want:
             raise ValueError(f"release folder {str(root)!r}: {what}={value} does not match "
-                             f"{PREVIEW_DIR}/{MODEL_CONFIG} {field}={want}")
-    _component(release.transformer, check_checkpoint, cfg, release.transformer)
+                             f"the transformer configuration {cfg.name!r}: {field}={want}")
     if release.refiner is not None:
         check_refiner(release)
 

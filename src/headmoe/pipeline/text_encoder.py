@@ -156,18 +156,60 @@ def _load_truncated(folder: str, dtype: torch.dtype, device) -> tuple[object, in
     return model, total
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+TOKENIZER_FILE, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+#: the pad token of a folder without tokenizer_config.json (Qwen's)
+DEFAULT_PAD_TOKEN = "<|endoftext|>"
 
 
-def _tokenizer(folder: str):
-    """The folder's tokenizer, offline, by transformers' own classes (never the folder's
-    code: ``trust_remote_code=False``); ``tokenizer.json`` is parsed first so that a
-    corrupt one is named."""
-    from transformers import AutoTokenizer
+def load_tokenizer(folder: str | os.PathLike):
+    """The tokenizer of a text-encoder folder, offline, by transformers' own classes (never
+    the folder's code: ``trust_remote_code=False``), with the released pre-tokenizer split
+    in front of its own: ``tokenizer.json`` with ``tokenizer_config.json`` (optional;
+    without it the pad token is `DEFAULT_PAD_TOKEN`). Both are confined to the folder and
+    parsed first, so a corrupt one is named. Raises `ValueError` naming the folder."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    for name in TOKENIZER_FILES:
-        read_json(os.path.join(folder, name), "text encoder tokenizer file")
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    folder = os.fspath(folder)
+    where = f"text encoder folder {folder!r}: file"
+    tok_file = confined_file(folder, TOKENIZER_FILE, where)
+    read_json(tok_file, "text encoder tokenizer file")
+    if os.path.lexists(os.path.join(folder, TOKENIZER_CONFIG)):
+        read_json(confined_file(folder, TOKENIZER_CONFIG, where), "text encoder tokenizer file")
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                            trust_remote_code=False)
+    else:
+        tok = PreTrainedTokenizerFast(tokenizer_file=tok_file)
+        if DEFAULT_PAD_TOKEN in tok.get_vocab():
+            tok.pad_token = DEFAULT_PAD_TOKEN
+    if tok.pad_token_id is None:
+        raise ValueError(f"text encoder folder {folder!r}: the tokenizer has no pad token")
+    add_released_split(tok)
+    return tok
+
+
+def kept_tokens(tokenizer, text: str, max_tokens: int = MAX_TEXT_TOKENS
+                ) -> tuple[list[int], int]:
+    """Token ids of ``normalize_prompt(text)`` the encoder keeps (at most ``max_tokens``;
+    "" becomes one pad token) and the count before truncation."""
+    ids = tokenizer(normalize_prompt(text))["input_ids"]
+    return ids[:max_tokens] or [tokenizer.pad_token_id], len(ids)
+
+
+class TokenCounter:
+    """``count(text) -> int``: the tokens the encoder of ``folder`` keeps of ``text`` (what
+    admission's memory estimate needs; loads only the tokenizer, once, on first use;
+    picklable: the tokenizer is not pickled)."""
+
+    def __init__(self, folder: str | os.PathLike, max_tokens: int = MAX_TEXT_TOKENS):
+        self.folder, self.max_tokens, self._tok = os.fspath(folder), max_tokens, None
+
+    def __call__(self, text: str) -> int:
+        if self._tok is None:
+            self._tok = load_tokenizer(self.folder)
+        return len(kept_tokens(self._tok, text, self.max_tokens)[0])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tok": None}
 
 
 def model_dtype(folder: str | os.PathLike) -> torch.dtype:
@@ -183,18 +225,15 @@ def model_dtype(folder: str | os.PathLike) -> torch.dtype:
 
 def check_text_encoder(folder: str | os.PathLike) -> int:
     """Check a ``text_encoder/`` folder without reading any weight: ``config.json``, the
-    tokenizer files (`TOKENIZER_FILES`, loaded offline) and every tensor header of the text
+    tokenizer (`load_tokenizer`, offline) and every tensor header of the text
     model (names and shapes, all layers). Returns the feature width (``hidden_size``).
     Raises `ValueError` naming the file or tensors."""
     folder = os.fspath(folder)
-    for name in ("config.json", *TOKENIZER_FILES):
-        confined_file(folder, name, f"text encoder folder {folder!r}: file")
+    confined_file(folder, "config.json", f"text encoder folder {folder!r}: file")
     cfg = _text_config(folder)
     full, where = _skeleton(folder, cfg)
     _checked_names(folder, {k: tuple(v.shape) for k, v in full.state_dict().items()}, where)
-    tok = _tokenizer(folder)
-    if tok.pad_token_id is None:
-        raise ValueError(f"{folder}: the tokenizer has no pad token")
+    load_tokenizer(folder)
     return int(cfg.hidden_size)
 
 
@@ -228,17 +267,12 @@ class Qwen35TextEncoder:
         folder = os.fspath(folder)
         confined_file(folder, "config.json", f"text encoder folder {folder!r}: file")
         model, total = _load_truncated(folder, dtype, device)
-        tok = _tokenizer(folder)
-        add_released_split(tok)
-        return cls(model.eval(), tok, total, max_tokens)
+        return cls(model.eval(), load_tokenizer(folder), total, max_tokens)
 
     def tokenize(self, text: str) -> tuple[list[int], int]:
-        """Token ids of ``normalize_prompt(text)`` (at most ``max_tokens``; "" becomes one
-        pad token) and the count before truncation."""
-        ids = self.tokenizer(normalize_prompt(text))["input_ids"]
-        count = len(ids)
-        ids = ids[: self.max_tokens] or [self.tokenizer.pad_token_id]
-        return ids, count
+        """`kept_tokens` of ``text``: ids of ``normalize_prompt(text)`` (at most
+        ``max_tokens``; "" becomes one pad token) and the count before truncation."""
+        return kept_tokens(self.tokenizer, text, self.max_tokens)
 
     def figure_indices(self, text: str) -> list[int]:
         """Indices of the tokens that spell the ``<Figure 1>`` marker in ``text`` as

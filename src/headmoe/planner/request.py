@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headmoe.config import check_positive_int, is_int, is_number
-from headmoe.pipeline.encoders import TinyAudioDecoder
+from headmoe.pipeline.audio_vae import audio_latent_length
 from headmoe.pipeline.video_latents import latent_shape
 
 
@@ -54,7 +54,7 @@ class RequestShape:
         for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
             check_positive_int(name, value)
         latent = latent_shape(num_frames, height, width)
-        audio = TinyAudioDecoder(1).latent_length(num_frames / fps)
+        audio = audio_latent_length(num_frames / fps)
         return cls(latent, audio, (text_tokens, uncond_text_tokens))
 
     @property

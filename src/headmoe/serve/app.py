@@ -32,7 +32,7 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from headmoe.serve.http import BODY_TIMEOUT_S
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import Draining, Job, JobStore, QueueFull
-from headmoe.serve.validate import RequestError, parse_body, to_generate_request
+from headmoe.serve.validate import RequestError, admit_body, parse_body
 
 #: the largest request body read (bytes)
 MAX_BODY = 1 << 20
@@ -113,7 +113,8 @@ async def _read_body(request: Request) -> bytes:
 async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
     try:
         raw = await _read_body(request)
-        job = store.submit(to_generate_request(parse_body(raw), spec))
+        admitted = admit_body(parse_body(raw), spec)
+        job = store.submit(admitted.request, admitted.describe())
     except RequestError as exc:
         store.reject(str(exc.status))
         raise _Refused(error(exc.status, exc.message, exc.param)) from None

@@ -6,11 +6,10 @@ the spawn start method: a server-built object, never client data).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from headmoe.config import ParallelConfig, check_positive_int
+from headmoe.config import ParallelConfig, check_positive_int, check_positive_number, is_int
 from headmoe.pipeline.job import GenerateJob
 from headmoe.pipeline.request import DTYPES, GenerateRequest
 
@@ -44,6 +43,8 @@ class ServeSpec:
     release: Any = None
     """The checked `headmoe.pipeline.release.Release` (text encoder and decoders), or None
     for a bare transformer checkpoint with the stand-in encoders (as `generate`)."""
+    deployment: Any = None
+    """The `headmoe.admission.Deployment` every request is admitted on (rank 0)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -54,12 +55,10 @@ class ServeSpec:
                 "request over the whole world; it must be 1"
             )
         check_positive_int("max_queue", self.max_queue)
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+        if not is_int(self.port) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
         for name in ("timeout_s", "drain_timeout_s", "tick_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
-                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+            check_positive_number(name, getattr(self, name))
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it out for no authentication)")
 

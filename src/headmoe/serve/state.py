@@ -63,6 +63,8 @@ class Job:
     completed_at: int | None = None
     result: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    admission: dict[str, Any] = field(default_factory=dict)
+    """`Admitted.describe()`: where each field came from (recorded in the sidecar)."""
 
 
 class JobStore:
@@ -87,14 +89,16 @@ class JobStore:
         self._step_sum = 0.0
 
     # ------------------------------------------------------------------ HTTP side
-    def submit(self, request: GenerateRequest) -> Job:
-        """Queue ``request`` as a new job; raises `Draining` or `QueueFull`."""
+    def submit(self, request: GenerateRequest, admission: dict[str, Any] | None = None) -> Job:
+        """Queue ``request`` as a new job (``admission``: what its sidecar records of its
+        admission); raises `Draining` or `QueueFull`."""
         with self._lock:
             if self.draining:
                 raise Draining("the server is shutting down and takes no new jobs")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
-            job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()))
+            job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()),
+                      admission=admission or {})
             self._jobs[job.id] = job
             self._queue.append(job.id)
             self._finished["queued"] += 1

@@ -34,14 +34,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.context import ParallelContext, rank_device
 from headmoe.pipeline.job import Components, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import ID_PATTERN, Job, JobStore, redact_paths
-from headmoe.serve.validate import estimate_rank_bytes
 
 
 class JobCancelled(Exception):
@@ -108,7 +107,8 @@ class Leader:
         if job is None:
             return {"op": "idle"}
         self.current, self._last_step = job, time.perf_counter()
-        return {"op": "run", "id": job.id, "request": job.request.to_dict()}
+        return {"op": "run", "id": job.id, "request": job.request.to_dict(),
+                "admission": job.admission}
 
     def _start_drain(self) -> None:
         self.store.start_drain()
@@ -171,7 +171,8 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     if not ID_PATTERN.fullmatch(job_id):
         raise ValueError(f"bad job id from rank 0: {job_id!r}")
     request = GenerateRequest(**cmd["request"])
-    extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})}}
+    extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})},
+             "admission": cmd.get("admission", {})}
     job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra)
     device = ctx.device
 
@@ -222,8 +223,8 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-    if world_size == 1:
-        ctx = ParallelContext.single(spec.parallel)
+    if world_size == 1:  # where launched ranks run (CUDA when available), as generate
+        ctx = ParallelContext.single(spec.parallel, device=rank_device())
     else:
         ctx = ParallelContext.initialize(spec.parallel, rank=rank, world_size=world_size,
                                          init_method=init_method,
@@ -232,7 +233,6 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
     try:
         if leader is not None:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
-            estimate_rank_bytes(spec, template.request)  # cache the planner's weight bytes
             leader.start_http()  # /health says "loading" until the model is in
         t0 = time.perf_counter()
         if leader is not None:

@@ -4,6 +4,7 @@ from headmoe.models.magi2.config import (
     MODALITIES,
     PRESETS,
     Magi2Config,
+    config_from_arg,
     get_config,
     validate_parallel,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "PackedInputs",
     "check_checkpoint",
     "checkpoint_spec",
+    "config_from_arg",
     "spec_digest",
     "get_config",
     "load_checkpoint",

@@ -298,6 +298,18 @@ def get_config(name: str, **overrides: Any) -> Magi2Config:
     return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
 
 
+def config_from_arg(value: str) -> Magi2Config:
+    """The config ``--model-config`` names: a preset, or a JSON file (public MAGI-2 schema or
+    `Magi2Config.to_dict()`). Raises `ValueError` naming ``model_config`` otherwise."""
+    if value in PRESETS:
+        return get_config(value)
+    path = os.path.expanduser(value)
+    if not os.path.isfile(path):
+        raise ValueError(f"model_config={value!r} is neither a preset "
+                         f"({', '.join(sorted(PRESETS))}) nor a JSON file")
+    return Magi2Config.from_json(path)
+
+
 def validate_parallel(config: Magi2Config, parallel: ParallelConfig) -> None:
     """Check a model config against a parallel config (pure arithmetic, before any
     collective); raises `ValueError` naming the fields and values."""

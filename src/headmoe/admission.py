@@ -1,0 +1,349 @@
+"""Admission: the one path from a request + a deployment to a checked, resolved request.
+
+    dep = Deployment(model_config, parallel, device, video_decoder, count_tokens, budget)
+    admitted = admit({"prompt": "a fox", "resolution": "272p", "seconds": 4}, dep)
+    admitted.request            # GenerateRequest, every field filled
+    admitted.sources            # field -> "flag" / "request" / "model default"
+
+``generate``, ``serve``, ``compare`` and ``plan`` all call `admit` (or, for a request
+without a prompt, `resolve_shape`); a refusal is a `Refusal` carrying the field, the value
+and a one-line message in field names, so every entry point gives the same verdict (the
+command line shows the fields as flags, the HTTP API returns the field as ``param``).
+
+What it owns, in the order it checks:
+
+1. the fields a request may give (`INPUT_FIELDS`) and each one's rule
+   (`headmoe.pipeline.request.check_field`; ``resolution`` one of the presets, ``1080p``
+   only with the refiner; ``seconds`` a number or a numeric string in (0, 80]; ``size``
+   ``"WxH"``);
+2. contradictions between fields (``resolution`` / ``size`` / ``height`` + ``width``;
+   ``seconds`` / ``num_frames``): refused naming both;
+3. the defaults of the model's recipe (`headmoe.pipeline.recipe.recipe_for`);
+4. frame geometry from the decoders' rule (`headmoe.pipeline.video_latents.latent_shape`:
+   ``num_frames = 4k+1``, sides multiples of 16) and at least one audio sample;
+5. the seed range of the job (data-parallel group k uses seed + k, all below 2**63);
+6. the text tokens of both prompts, counted by the deployment's tokenizer (the release's,
+   capped at its 7,000-token limit), for
+7. the one memory estimate (`headmoe.planner.memory.estimate_memory`) against the one
+   budget (`memory_budget`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from headmoe.config import ParallelConfig, is_number
+from headmoe.errors import Refusal
+from headmoe.pipeline import audio_vae, video_latents
+from headmoe.pipeline.recipe import (
+    RELEASED_SECONDS,
+    RESOLUTIONS,
+    Recipe,
+    recipe_for,
+)
+from headmoe.pipeline.request import (
+    MAX_SECONDS,
+    MAX_SIDE,
+    REQUEST_FIELDS,
+    GenerateRequest,
+    check_field,
+    show,
+)
+from headmoe.pipeline.seeding import SEED_LIMIT
+from headmoe.planner.memory import GIB, MemoryEstimate, estimate_memory, memory_limit
+from headmoe.planner.request import RequestShape
+
+#: the fields a request may give: a `GenerateRequest`'s and the three that set its size
+INPUT_FIELDS: tuple[str, ...] = (*REQUEST_FIELDS, "resolution", "seconds", "size")
+#: where a resolved field's value came from
+GIVEN_BY_FLAG, GIVEN_BY_REQUEST, MODEL_DEFAULT = "flag", "request", "model default"
+DEPLOYMENT = "server"
+#: the largest memory budget a flag may give (GiB per rank)
+MAX_BUDGET_GIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes one rank may use (None: not checked) and where the number comes from."""
+
+    limit: int | None
+    source: str
+
+
+UNCHECKED = Budget(None, "not checked")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What a request runs on. ``model_config`` a `Magi2Config`; ``device`` "cpu" or
+    "cuda"; ``count_tokens(text)`` the tokens the text encoder keeps of ``text`` (None: the
+    stand-in byte encoder's count); ``budget`` the per-rank memory budget."""
+
+    model_config: Any
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+    count_tokens: Callable[[str], int] | None = None
+    budget: Budget = UNCHECKED
+    describe: str = ""
+    """How refusals name the model (e.g. "--model /ckpt (config magi2-preview)")."""
+    stream: Any = None
+    """`headmoe.planner.memory.StreamSettings` with ``--offload-layers``, else None."""
+
+    @property
+    def recipe(self) -> Recipe:
+        return recipe_for(self.model_config)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A checked request: the resolved `request`, where each field came from (`sources`),
+    headmoe's notes on it (e.g. a clip length the release does not make), the token counts
+    (`shape`) and the memory estimate."""
+
+    request: GenerateRequest
+    sources: dict[str, str]
+    notes: list[str]
+    shape: RequestShape
+    estimate: MemoryEstimate
+    recipe: str
+    given: dict[str, Any]
+
+    def describe(self) -> dict[str, Any]:
+        """What the sidecar records (``admission``)."""
+        return {"recipe": self.recipe, "sources": self.sources, "notes": self.notes,
+                "given": {k: v for k, v in self.given.items()
+                          if k not in ("prompt", "negative_prompt")},
+                "tokens": self.shape.to_dict(), "estimate_bytes": self.estimate.total}
+
+
+# ---------------------------------------------------------------------- single fields
+def _seconds(value: Any) -> float:
+    """``seconds``: a number or a numeric string ("4", as OpenAI-style clients send it)."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if not is_number(number) or not math.isfinite(number) or not 0 < number <= MAX_SECONDS:
+        shown = f"{number:g}" if is_number(number) else show(value)  # "4" and 4 alike
+        raise Refusal("seconds", value, f"seconds={shown} must be a number in "
+                      f"(0, {MAX_SECONDS:g}]")
+    return float(number)
+
+
+def _size(value: Any) -> tuple[int, int]:
+    """``size`` "WxH" (OpenAI / vLLM-Omni) -> (height, width)."""
+    m = re.fullmatch(r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*", value) if isinstance(value, str) else None
+    if m is None or not all(1 <= int(v) <= MAX_SIDE for v in m.groups()):
+        raise Refusal("size", value, f"size={show(value)} must be \"WIDTHxHEIGHT\" with each "
+                      f"side in [1, {MAX_SIDE}], e.g. \"896x512\"")
+    height, width = int(m.group(2)), int(m.group(1))
+    for side in (("width", width), ("height", height)):
+        try:
+            video_latents.check_side(*side)
+        except ValueError as e:
+            raise Refusal("size", value, f"size={show(value)}: {e}") from None
+    return height, width
+
+
+def _resolution(value: Any) -> tuple[int, int]:
+    from headmoe.pipeline.recipe import REFINER_RESOLUTIONS
+
+    if not isinstance(value, str) or value not in RESOLUTIONS:
+        raise Refusal("resolution", value, f"resolution={show(value)} must be one of "
+                      f"{', '.join(RESOLUTIONS)}")
+    if value in REFINER_RESOLUTIONS:
+        raise Refusal("resolution", value, f"resolution={value!r} needs the 1080p refiner, "
+                      "which headmoe does not run yet; use 540p or 272p")
+    return RESOLUTIONS[value]
+
+
+def check_given(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Steps 1-2 of the module docstring (no deployment needed): each given field's rule,
+    then the contradictions. Returns the given fields with ``resolution`` / ``size`` /
+    ``seconds`` parsed (tuples, float). Raises `Refusal`."""
+    for name, value in given.items():
+        if name not in INPUT_FIELDS:
+            raise Refusal(name, value, f"unknown field {name}={show(value)}")
+    out = dict(given)
+    for name in INPUT_FIELDS:  # a fixed order: the first bad field is the one reported
+        if name not in given:
+            continue
+        parse = {"seconds": _seconds, "size": _size, "resolution": _resolution}.get(name)
+        out[name] = parse(given[name]) if parse else check_field(name, given[name])
+        if name in GEOMETRY:
+            _geometry(name, out[name], GEOMETRY[name])
+    _check_sizes(given, out)
+    return out
+
+
+#: the decoders' rule of each size field (the defaults of every recipe pass them)
+GEOMETRY: dict[str, Callable[..., Any]] = {
+    "height": lambda v: video_latents.check_side("height", v),
+    "width": lambda v: video_latents.check_side("width", v),
+    "num_frames": video_latents.check_frames,
+}
+
+
+def _geometry(name: str, value: Any, rule: Callable[[Any], Any]) -> None:
+    try:
+        rule(value)
+    except ValueError as e:
+        raise Refusal(name, value, str(e)) from None
+
+
+def _check_sizes(given: Mapping[str, Any], parsed: Mapping[str, Any]) -> None:
+    """``resolution``, ``size`` and ``height`` / ``width`` must agree where several are
+    given; so must ``seconds`` and ``num_frames`` (checked in `_frames`)."""
+    sources = [(n, parsed[n]) for n in ("resolution", "size") if n in parsed]
+    for i, (a, (h, w)) in enumerate(sources):
+        for b, (h2, w2) in sources[i + 1:]:
+            if (h, w) != (h2, w2):
+                raise Refusal(f"{a},{b}", given[b], f"{a}={given[a]!r} ({w}x{h}) contradicts "
+                              f"{b}={given[b]!r} ({w2}x{h2}); give one of them")
+        for side, want in (("height", h), ("width", w)):
+            if side in parsed and parsed[side] != want:
+                raise Refusal(f"{a},{side}", given[side], f"{a}={given[a]!r} means {side}="
+                              f"{want}, which contradicts {side}={parsed[side]}; give one "
+                              "of them")
+
+
+# ---------------------------------------------------------------------- resolution
+def frames_for_seconds(seconds: float, fps: float) -> int:
+    """Output frames of a ``seconds``-long clip at ``fps``: the largest ``4k+1`` not above
+    ``seconds * fps`` (at least 1); 10 s at 12.5 fps = 125 frames, the released clip."""
+    stride = video_latents.TEMPORAL_STRIDE
+    return stride * max(0, math.floor((seconds * fps - 1) / stride + 1e-9)) + 1
+
+
+def _frames(given: Mapping[str, Any], parsed: Mapping[str, Any], fps: float,
+            recipe: Recipe) -> tuple[int | None, list[str]]:
+    """(num_frames from ``seconds`` or None, notes)."""
+    if "seconds" not in parsed:
+        return None, []
+    seconds = parsed["seconds"]
+    frames = frames_for_seconds(seconds, fps)
+    if "num_frames" in parsed and parsed["num_frames"] != frames:
+        raise Refusal("seconds,num_frames", given["num_frames"],
+                      f"seconds={seconds:g} at fps={fps:g} means num_frames={frames}, "
+                      f"which contradicts num_frames={parsed['num_frames']}; give one of them")
+    notes = []
+    if seconds != RELEASED_SECONDS:
+        notes.append(f"seconds={seconds:g} is headmoe's extension (the release makes "
+                     f"{RELEASED_SECONDS:g} s clips): {frames} frames at {fps:g} fps, "
+                     f"{frames / fps:.3g} s")
+    return frames, notes
+
+
+def resolve(given: Mapping[str, Any], recipe: Recipe, device: str,
+            origin: str = GIVEN_BY_FLAG) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """(values of every `GenerateRequest` field but the prompt when absent, their sources,
+    notes): the given fields (checked by `check_given`), the rest from ``recipe``."""
+    parsed = check_given(given)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in REQUEST_FIELDS:
+        if name in parsed:
+            values[name], sources[name] = parsed[name], origin
+        elif name != "prompt":
+            values[name], sources[name] = recipe.default(name, device), MODEL_DEFAULT
+    for key in ("size", "resolution"):  # a preset or size gives height and width
+        if key in parsed:
+            (values["height"], values["width"]) = parsed[key]
+            sources["height"] = sources["width"] = f"{origin} ({key})"
+    frames, notes = _frames(given, parsed, values["fps"], recipe)
+    if frames is not None:
+        values["num_frames"], sources["num_frames"] = frames, f"{origin} (seconds)"
+    return values, sources, notes
+
+
+def check_geometry(num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The video latent grid of the decoders (`video_latents.latent_shape`), as a
+    `Refusal` naming the field that does not fit."""
+    try:
+        return video_latents.latent_shape(num_frames, height, width)
+    except ValueError as e:
+        name = str(e).split()[0]
+        raise Refusal(name, {"num_frames": num_frames, "height": height,
+                             "width": width}.get(name), str(e)) from None
+
+
+def check_seed(seed: int, dp_size: int) -> int:
+    """Every data-parallel group's seed (``seed + k``, k < ``dp_size``) below 2**63."""
+    if seed + dp_size - 1 >= SEED_LIMIT:
+        raise Refusal("seed", seed, f"seed={seed} is above {SEED_LIMIT - dp_size}: "
+                      f"data-parallel group k uses seed + k and all {dp_size} must be below "
+                      "2**63")
+    return seed
+
+
+def byte_tokens(text: str) -> int:
+    """Tokens the stand-in byte encoder keeps of ``text`` (BOS + UTF-8 bytes, at most its
+    limit)."""
+    from headmoe.pipeline.encoders import ByteTextEncoder
+
+    return len(ByteTextEncoder(1).tokenize(text))
+
+
+def request_shape(req: GenerateRequest, count_tokens: Callable[[str], int] | None,
+                  ) -> RequestShape:
+    """The per-branch token counts of ``req`` (text counted by ``count_tokens``)."""
+    count = count_tokens or byte_tokens
+    latent = check_geometry(req.num_frames, req.height, req.width)
+    audio = audio_vae.audio_latent_length(req.duration_s)
+    return RequestShape(latent, audio, (count(req.prompt), count(req.negative_prompt)))
+
+
+def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG,
+          fixed: Mapping[str, Any] | None = None) -> Admitted:
+    """The checked, resolved request of ``given`` (field -> value; fields left out take the
+    model's recipe) on ``dep``, or `Refusal` (module docstring: what is checked, in order).
+    ``fixed``: fields the deployment sets for every request (a server's dtype)."""
+    if "prompt" not in given:
+        raise Refusal("prompt", None, "prompt is required")
+    values, sources, notes = resolve(given, dep.recipe, dep.device, origin)
+    for name, value in (fixed or {}).items():
+        values[name], sources[name] = check_field(name, value), DEPLOYMENT
+    req = GenerateRequest(**values)
+    shape = request_shape(req, dep.count_tokens)
+    samples = req.audio_samples(audio_vae.OUTPUT_SAMPLE_RATE)
+    check_seed(req.seed, dep.parallel.data_parallel_size)
+    if req.noise_device == "cuda" and dep.device != "cuda":
+        raise Refusal("noise_device", req.noise_device, "noise_device='cuda' draws the noise "
+                      "on the GPU, but no CUDA device is available here; use "
+                      "noise_device='cpu'")
+    est = estimate_memory(dep.model_config, shape, dep.parallel, req.torch_dtype,
+                          (req.num_frames, req.height, req.width), samples, stream=dep.stream)
+    limit = dep.budget.limit
+    if limit is not None and est.total > limit:
+        raise Refusal("height,width,num_frames", req.height,
+                      f"{dep.describe or 'the model'}: height={req.height}, width={req.width}, "
+                      f"num_frames={req.num_frames} need an estimated {est.describe()}, more "
+                      f"than the {limit / GIB:.2f} GiB limit ({dep.budget.source}); use a "
+                      "smaller request, more ranks, or a larger --max-memory-gib")
+    return Admitted(req, sources, notes, shape, est, dep.recipe.name, dict(given))
+
+
+# ---------------------------------------------------------------------- the budget
+def memory_budget(gib: float | None, flag: str, local_ranks: int, device: str) -> Budget:
+    """The per-rank budget: ``gib`` GiB when given (``flag`` names it in messages; 0 means
+    no check), else `memory_limit` (free device memory, or the host's available memory /
+    local ranks). Raises `ValueError` naming ``flag``."""
+    if gib is not None:
+        if not (is_number(gib) and math.isfinite(gib) and 0 <= gib <= MAX_BUDGET_GIB):
+            raise ValueError(f"{flag} must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
+                             f"(0: no check), got {gib!r}")
+        return UNCHECKED if gib == 0 else Budget(int(gib * GIB), flag)
+    limit, source = memory_limit(local_ranks, device == "cuda")
+    return Budget(limit, source)
+
+
+def local_ranks(world: int) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the whole local world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
