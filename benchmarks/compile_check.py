@@ -32,7 +32,7 @@ from headmoe.layers import triton_attention, triton_dense
 from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
 from headmoe.layers.triton_attention import DEFAULT_ATTENTION_TILES as AT
 from headmoe.layers.triton_dense import DENSE_TILES, NORM_BLOCK, NORM_ROWS
-from headmoe.layers.triton_runtime import kernels
+from headmoe.layers.triton_runtime import descriptor, kernels
 from headmoe.moe import triton_moe
 from headmoe.moe.triton_moe import DEFAULT_TILES as MT
 from headmoe.moe.triton_moe import ROUTE_BLOCK_K, ROUTE_BLOCK_M
@@ -53,9 +53,8 @@ def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 def _desc(rows: int, cols: int, block: list[int], dtype: torch.dtype = torch.bfloat16):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(_t(rows, cols, dtype=dtype), block)
+    """A descriptor of an empty `[rows, cols]` tensor (compile-time arguments only)."""
+    return descriptor(_t(rows, cols, dtype=dtype), block)
 
 
 def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any], dict]]:

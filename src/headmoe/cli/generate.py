@@ -400,13 +400,6 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
                       stream_settings(args, model_config.num_layers))
 
 
-def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
-                   world: int) -> tuple[Admitted, Deployment, str, Any]:
-    """(admitted request, deployment, transformer checkpoint, release or None) of
-    ``--model``, with every header, the layout and the request (admission, memory estimate
-    included) checked before any weight is built."""
-
-
 def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
     """The checked, preprocessed ``--image`` (`headmoe.pipeline.image.read_image`), or
     None; refused with a model that has no image encoder."""
@@ -470,7 +463,8 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     from headmoe.pipeline import release as rel
 
     video = args.video_decoder or "turbo"
-    image = getattr(args, "image", None) is not None
+    # --image needs the encoder; a server (image_encoder None) loads it when vae/ has it
+    image = getattr(args, "image", None) is not None or getattr(args, "image_encoder", False)
     if args.model == "tiny":
         if args.model_config is not None:
             raise ValueError("model_config applies to a release folder or a checkpoint file, "

@@ -82,7 +82,8 @@ def register(subparsers: Any) -> None:
 GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
                  "video_decoder": None, "offload": False, "offload_layers": False,
                  "resident_layers": 0, **{name: None for name in INPUT_FIELDS}, "prompt": "",
-                 "height": 16, "width": 16, "num_frames": 1}
+                 "height": 16, "width": 16, "num_frames": 1, "image": None,
+                 "image_encoder": None}
 
 
 def _check_output_dir(value: str) -> str:

@@ -28,6 +28,7 @@ from headmoe.models.magi2 import (
 )
 from headmoe.models.magi2.loading import stream_layers
 from headmoe.models.refiner import Magi2Refiner, load_refiner
+from headmoe.models.refiner.loading import stream_refiner
 from headmoe.pipeline import placement
 from headmoe.pipeline.encoders import (
     ByteTextEncoder,
@@ -113,11 +114,17 @@ def refiner_component(ctx: ParallelContext, job: GenerateJob, preview: Any) -> R
     """The release's refiner (``refiner/``) on ``ctx``'s SP groups, in the request's dtype,
     loaded on the device, or on the host with ``--offload`` (`Refiner` moves it to the
     device for the stage and ``preview``, the resident preview transformer or None when its
-    layers stream, to the host meanwhile)."""
+    layers stream, to the host meanwhile); with ``job.offload_layers`` its layers stream
+    (`stream_refiner`) and nothing moves."""
     release = job.release
     if release.refiner is None:
         raise ValueError(f"refiner_height / refiner_width need a release folder with "
                          f"refiner/, and {release.root!r} has none")
+    if job.offload_layers:  # its layers stream too (all 30: --resident-layers is the preview's)
+        model, streamer = stream_refiner(release.refiner_config, ctx, job.request.torch_dtype,
+                                         release.refiner, timeout_s=job.timeout_s)
+        model.streamer = streamer
+        return Refiner(model.eval(), preview, ctx.device, False)
     device = placement.load_device(ctx.device, release.offload)
     with torch.device(device):
         model = Magi2Refiner(release.refiner_config, ctx, dtype=job.request.torch_dtype)

@@ -66,8 +66,10 @@ class ServeSpec:
     def world_size(self) -> int:
         return self.parallel.world_size
 
-    def job(self, request: GenerateRequest, output: str | None, extra: dict[str, Any]) -> GenerateJob:
-        """The `GenerateJob` of ``request`` under this deployment (no progress bar)."""
+    def job(self, request: GenerateRequest, output: str | None, extra: dict[str, Any],
+            image: Any = None) -> GenerateJob:
+        """The `GenerateJob` of ``request`` (and its I2V ``image``) under this deployment
+        (no progress bar)."""
         return GenerateJob(
             request,
             self.parallel,
@@ -78,4 +80,5 @@ class ServeSpec:
             progress=False,
             extra=extra,
             release=self.release,
+            image=image,
         )

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.distributed.context import ParallelContext, rank_device
+from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.job import Components, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
@@ -108,7 +109,8 @@ class Leader:
             return {"op": "idle"}
         self.current, self._last_step = job, time.perf_counter()
         return {"op": "run", "id": job.id, "request": job.request.to_dict(),
-                "admission": job.admission}
+                "admission": job.admission,
+                "image": None if job.image is None else job.image.describe()}
 
     def _start_drain(self) -> None:
         self.store.start_drain()
@@ -173,7 +175,10 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     request = GenerateRequest(**cmd["request"])
     extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})},
              "admission": cmd.get("admission", {})}
-    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra)
+    image = None  # rank 0 (the image encoder's) holds the pixels; the others its description
+    if cmd.get("image") is not None:
+        image = leader.current.image if leader else ReferenceImage.from_dict(cmd["image"])
+    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra, image)
     device = ctx.device
 
     def on_step(done: int, total: int) -> None:

@@ -150,6 +150,11 @@ class Magi2Config:
         return max(self.video_in_channels, self.audio_in_channels, self.text_in_channels)
 
     @property
+    def out_width(self) -> int:
+        """Columns of the packed output (the larger of the video / audio channels)."""
+        return max(self.video_in_channels, self.audio_in_channels)
+
+    @property
     def torch_params_dtype(self) -> torch.dtype:
         return PARAMS_DTYPES[self.params_dtype]
 

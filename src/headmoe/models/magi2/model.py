@@ -342,8 +342,8 @@ class Magi2Transformer(nn.Module):
 
     @property
     def out_width(self) -> int:
-        """Columns of the packed output (the larger of the video / audio channels)."""
-        return max(self.config.video_in_channels, self.config.audio_in_channels)
+        """Columns of the packed output (`Magi2Config.out_width`)."""
+        return self.config.out_width
 
     # ------------------------------------------------------------------ planning
     def plan(self, packed: PackedInputs) -> ForwardPlan:

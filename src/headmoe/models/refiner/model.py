@@ -46,6 +46,7 @@ from headmoe.layers.rope import apply_rope, default_bands, rope_table, split_tab
 from headmoe.models.magi2.config import MODALITIES, VIDEO
 from headmoe.models.refiner.config import Magi2RefinerConfig, validate_parallel
 from headmoe.models.refiner.packing import RefinerPacked, attention_plan, pack_refiner, unpack_video
+from headmoe.models.streaming import present
 
 #: rows of the MLP processed at once (bounds the fp32 [rows, 2I] temporaries: 16,384 rows
 #: of the released refiner hold 1.3 GiB of up_gate output in fp32)
@@ -282,9 +283,10 @@ class Magi2Refiner(nn.Module):
         if trace is not None:
             trace["embed"] = h.clone()
         for i, layer in enumerate(self.block.layers):
-            attn = layer.attention(h, plan, self.context)
-            h = h + attn
-            h = layer.mlp.add_to(h, plan, self.mlp_chunk_rows)
+            with present(layer):  # its weights, when they stream (`--offload-layers`)
+                attn = layer.attention(h, plan, self.context)
+                h = h + attn
+                h = layer.mlp.add_to(h, plan, self.mlp_chunk_rows)
             if trace is not None:
                 trace[f"layer{i}_attn"], trace[f"layer{i}_out"] = attn.clone(), h.clone()
         local = self._post(h, plan)
