@@ -180,3 +180,29 @@ def test_one_and_four_ranks_write_the_same_bytes(folder, tmp_path):
         one["image"]["height"], one["image"]["width"])
     assert four["image"]["prompt"] == i2v.ensure_figure_token(PROMPT)
     assert four["model"]["image_encoder"] == str(folder / "vae")
+
+
+def test_memory_counts_the_image(folder):
+    """The planner's encoder bytes equal the loaded encoder's; it sits on rank 0 only; the
+    admission's image rows bound every image's rows at the request size."""
+    from headmoe.admission import request_shape
+    from headmoe.config import ParallelConfig as PC
+    from headmoe.distributed.topology import plan_topology
+    from headmoe.models.magi2.packing import image_rows
+    from headmoe.pipeline import wan_vae
+    from headmoe.planner.components import component_bytes, component_bytes_per_rank
+
+    parts = component_bytes("tiny", image=True)
+    vae = wan_vae.load_wan_encoder(folder / "vae")
+    assert parts.image_encoder == sum(p.numel() * 4 for p in vae.parameters())
+    assert component_bytes("tiny").image_encoder == 0
+    topo = plan_topology(4, PC(ulysses_degree=4))
+    held = component_bytes_per_rank(topo, parts, 4)
+    t2v = component_bytes_per_rank(topo, component_bytes("tiny"), 4)
+    assert [a - b for a, b in zip(held, t2v)] == [parts.image_encoder, 0, 0, 0]
+    req = GenerateRequest(prompt=PROMPT, height=64, width=96, num_frames=5)
+    bound = request_shape(req, None, image=True).image_tokens
+    assert request_shape(req, None).image_tokens == 0 and bound == image_rows(6, 6)
+    for name in ("landscape_37x23", "portrait_20x50"):
+        ref = prepare_image(_image_path(name).read_bytes(), 64, 96)
+        assert image_rows(*ref.latent_size) <= bound

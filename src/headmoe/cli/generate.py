@@ -449,7 +449,8 @@ def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: Pa
             checks.scan_weights(checkpoint, headers, report.prefix)
             if release is not None:
                 checks.scan_components(release)
-    return admit(given, dep), dep, checkpoint, release
+    return admit(given, dep, image=getattr(args, "image", None) is not None), dep, \
+        checkpoint, release
 
 
 def _release(args: argparse.Namespace, parallel: ParallelConfig):

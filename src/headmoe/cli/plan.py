@@ -7,6 +7,7 @@ headmoe plan --model magi2-preview --world-size 8 [--height 256 --width 448
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -15,7 +16,9 @@ from typing import Any
 
 from headmoe.cli.errors import UserError, run_guarded
 from headmoe.models.magi2.config import PRESETS, get_config
+from headmoe.models.magi2.packing import image_rows
 from headmoe.models.streaming import DEFAULT_SLOTS
+from headmoe.pipeline.image import max_latent_size
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
 from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
@@ -105,6 +108,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "(default: the --model preset's)",
     )
     p.add_argument("--video-decoder", choices=("turbo", "wan2.2"), default="turbo")
+    p.add_argument(
+        "--image",
+        action="store_true",
+        help="image-to-video: count the reference image's rows (the most any image adds at "
+        "this size) and the Wan2.2 encoder on rank 0",
+    )
     p.add_argument(
         "--ranks-per-node",
         type=int,
@@ -236,7 +245,11 @@ def run(args: argparse.Namespace) -> int:
     if args.release is not None and not os.path.isdir(args.release):
         raise UserError(f"--release {args.release!r} is not a folder; pass the release's "
                         "root folder")
-    parts = component_bytes(args.release or args.model, args.video_decoder)
+    image = getattr(args, "image", False)
+    parts = component_bytes(args.release or args.model, args.video_decoder, image)
+    if image:
+        request = dataclasses.replace(request, image_tokens=image_rows(
+            *max_latent_size(args.height, args.width)))
     stream = stream_settings(args, model.num_layers)
     if not args.h2d_gbps > 0:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
@@ -255,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
                         "video_decoder": args.video_decoder,
                         "video_decoder_bytes": parts.video_decoder,
                         "audio_decoder_bytes": parts.audio_decoder,
+                        "image_encoder_bytes": parts.image_encoder,
                         "offload": args.offload,
                         "ranks_per_node": args.ranks_per_node or args.world_size,
                     },
@@ -273,7 +287,9 @@ def run(args: argparse.Namespace) -> int:
             f"{parts.text_encoder / GIB:,.2f} GiB on each node's first rank, {args.video_decoder} "
             f"video decoder {parts.video_decoder / GIB:,.2f} GiB + audio decoder "
             f"{parts.audio_decoder / GIB:,.2f} GiB on each output rank"
-            f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
+            + (f", image encoder {parts.image_encoder / GIB:,.2f} GiB on rank 0 (+"
+               f"{request.image_tokens} image tokens per branch)" if image else "")
+            + f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
         )
         print(format_table(plans, reason))
         if stream is not None:

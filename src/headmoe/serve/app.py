@@ -128,7 +128,7 @@ async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, An
     if len(raw) > MAX_BODY:
         raise RequestError(f"the body has more than {MAX_BODY} bytes besides its image", None,
                            413)
-    admitted = admit_body(parse_body(raw), spec)
+    admitted = admit_body(parse_body(raw), spec, image=data is not None)
     req = admitted.request
     if data is None:
         return admitted, None
