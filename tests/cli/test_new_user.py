@@ -14,7 +14,7 @@ import torch
 
 import headmoe
 import headmoe.cli.generate as generate_cli
-import headmoe.distributed.launch as launch
+import headmoe.distributed.context as launch
 from headmoe.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,7 +35,8 @@ from headmoe.admission import (
 from headmoe.cli import checks
 from headmoe.cli.plan import add_stream_arguments
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
-from headmoe.distributed.launch import launch_local, set_rank_threads, torchrun_env
+from headmoe.distributed.context import set_rank_threads
+from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import Refusal, UserError
 from headmoe.pipeline.job import MIN_TIMEOUT_S

@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from headmoe.admission import MAX_BUDGET_GIB
 from headmoe.cli.errors import UserError, run_guarded
+from headmoe.config import GIB, MIB
 from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.models.magi2.packing import image_rows
 from headmoe.models.streaming import DEFAULT_SLOTS
@@ -22,10 +25,12 @@ from headmoe.pipeline.image import max_latent_size
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
 from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
-from headmoe.planner.plan import GIB, LayoutPlan, plan_world
+from headmoe.planner.plan import LayoutPlan, plan_world
 from headmoe.planner.request import RequestShape
 
-MIB = 1 << 20
+#: the largest world `plan` enumerates (its layouts grow with the divisors; 4096 ranks take
+#: seconds)
+MAX_WORLD_SIZE = 4096
 
 
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,7 +149,17 @@ register = add_parser
 
 
 def request_from_args(args: argparse.Namespace) -> RequestShape:
+    """The request shape of the flags, through admission's rules (`check_given`: ranges and
+    the decoders' geometry; `Refusal` names the field) and the text encoder's token limit."""
+    from headmoe.admission import check_given
+    from headmoe.pipeline.released import MAX_TEXT_TOKENS
+
     uncond = args.text_tokens if args.uncond_text_tokens is None else args.uncond_text_tokens
+    check_given({k: getattr(args, k) for k in ("height", "width", "num_frames", "fps")})
+    for flag, value in (("--text-tokens", args.text_tokens), ("--uncond-text-tokens", uncond)):
+        if not 1 <= value <= MAX_TEXT_TOKENS:
+            raise UserError(f"{flag} must be in [1, {MAX_TEXT_TOKENS}] (the text encoder keeps "
+                            f"at most {MAX_TEXT_TOKENS} tokens), got {value}")
     return RequestShape.from_media(
         height=args.height,
         width=args.width,
@@ -236,12 +251,15 @@ def format_stream_table(plans: list[LayoutPlan]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
-    if args.world_size < 1:
-        raise UserError(f"--world-size must be a positive number of ranks, got "
-                        f"{args.world_size}, e.g. --world-size 8")
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        raise UserError(f"--world-size must be a positive number of ranks, at most "
+                        f"{MAX_WORLD_SIZE:,}, got {args.world_size}, e.g. --world-size 8")
     model = get_config(args.model)  # a ValueError is reported by headmoe.cli.errors
     request = request_from_args(args)
-    memory = None if args.memory_gib <= 0 else int(args.memory_gib * GIB)
+    if not (math.isfinite(args.memory_gib) and 0 <= args.memory_gib <= MAX_BUDGET_GIB):
+        raise UserError(f"--memory-gib must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
+                        f"(0: no limit), got {args.memory_gib!r}")
+    memory = None if args.memory_gib == 0 else int(args.memory_gib * GIB)
     if args.release is not None and not os.path.isdir(args.release):
         raise UserError(f"--release {args.release!r} is not a folder; pass the release's "
                         "root folder")

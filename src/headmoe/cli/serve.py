@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         from headmoe.serve.supervisor import run_local
 
         return run_local(spec, world)
-    from headmoe.distributed.launch import set_rank_threads
+    from headmoe.distributed.context import set_rank_threads
     from headmoe.serve.worker import serve_rank
 
     rank = 0 if env is None else env.rank

@@ -24,8 +24,8 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-#: cgroup v2 CPU quota of this process's container: "<quota us> <period us>" or "max ..."
-CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+from headmoe.config import is_int
+
 #: prctl option: the signal a process receives when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
 
@@ -50,36 +50,6 @@ class LaunchFailure(RuntimeError):
                                        for r, m in failures.items()}
         parts = [f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(failures.items())]
         super().__init__(f"{len(failures)} rank(s) failed\n" + "\n".join(parts))
-
-
-def available_cores() -> int:
-    """Cores this process may run on: its CPU affinity (``os.sched_getaffinity``), capped
-    by a cgroup v2 CPU quota (``/sys/fs/cgroup/cpu.max``, containers), at least 1."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        with open(CGROUP_CPU_MAX) as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, -(-int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
-
-
-def set_rank_threads(local_ranks: int) -> int:
-    """On CPU (no CUDA), give this rank ``available_cores() // local_ranks`` torch threads
-    (at least 1) so that the ranks of a node share its cores instead of oversubscribing
-    them; returns the count (0: CUDA, unchanged). The one home of the thread rule."""
-    import torch
-
-    if torch.cuda.is_available():
-        return 0
-    threads = max(1, available_cores() // max(1, local_ranks))
-    torch.set_num_threads(threads)
-    return threads
 
 
 def exit_with_parent() -> None:
@@ -130,7 +100,7 @@ def launch_local(
     group with ``init_method="env://"``. Raises `ValueError` for ``nproc < 1`` and
     `LaunchFailure` if any rank fails (the others are then stopped).
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    if not is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     config = LaunchConfig(
         min_nodes=1,

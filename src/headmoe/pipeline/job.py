@@ -37,8 +37,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from headmoe.config import ParallelConfig, check_positive_number
-from headmoe.distributed.context import ParallelContext
-from headmoe.distributed.launch import set_rank_threads, torchrun_env
+from headmoe.distributed.context import ParallelContext, set_rank_threads
+from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput
 from headmoe.models.streaming import split_layers
@@ -59,6 +59,7 @@ from headmoe.pipeline.media import (
     write_mp4,
     write_sidecar,
 )
+from headmoe.pipeline.placement import is_output_coords
 from headmoe.pipeline.refine import REFINER_FPS_FACTOR, refine_stage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
@@ -347,7 +348,7 @@ def run_request(
                           getattr(parts.text_encoder, "runs", None))
     result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
               "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
-    if (coords.sp, coords.cfg) != (0, 0):
+    if not is_output_coords(coords):
         return result
     frames, audio = decode(parts, req, xv, xa, noise.num_samples, num_frames)
     warn_truncated(text_info)
@@ -433,7 +434,7 @@ def launched_rank(job: GenerateJob) -> dict[str, Any]:
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
     interrupt_once()
-    set_rank_threads(env.local_world_size)  # CPU only; on CUDA `initialize` picks the device
+    set_rank_threads(env.local_world_size)  # on CUDA `initialize` makes cuda:LOCAL_RANK current
     ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
     store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
     try:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.files import atomic_folder, entry_problem
+from headmoe.models.magi2.loading import INDEX_SUFFIX
 
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
@@ -42,7 +43,6 @@ MODEL_CONFIG = "config.json"
 VIDEO_DECODERS: tuple[str, ...] = ("turbo", "wan2.2")
 #: folder of each video decoder
 VIDEO_DECODER_DIRS = {"turbo": TURBO_DIR, "wan2.2": WAN_DIR}
-INDEX_SUFFIX = ".safetensors.index.json"
 #: printed whenever the embedded tiny release runs: its weights are random
 RANDOM_WEIGHTS_NOTE = ("note: --model tiny is the embedded tiny release with random weights, "
                        "so the video is coloured noise and the audio is noise; pass a MAGI-2 "

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headmoe.config import ParallelConfig
+from headmoe.config import GIB, ParallelConfig
 from headmoe.distributed.sharding import head_shard
 from headmoe.distributed.topology import Topology
 from headmoe.models.magi2.config import Magi2Config
@@ -43,7 +43,6 @@ from headmoe.planner.predict import (
 )
 from headmoe.planner.request import RequestShape
 
-GIB = 1 << 30
 LOAD_BATCH_BYTES = 1 << 30
 #: live copies of the state / MLP activations / attention tensors in one layer (bounds)
 STATE_COPIES, MLP_COPIES, ATTENTION_COPIES = 6, 3, 6

@@ -38,7 +38,8 @@ def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, err
     (time, traceback) and exit 1 (the supervisor prints the traceback of the rank that
     failed first, not the cascade of peers that lost it)."""
 
-    from headmoe.distributed.launch import exit_with_parent, set_rank_threads
+    from headmoe.distributed.context import set_rank_threads
+    from headmoe.distributed.launch import exit_with_parent
     from headmoe.serve.worker import serve_rank
 
     exit_with_parent()  # a kill -9 of the supervisor ends every rank at once (port freed)

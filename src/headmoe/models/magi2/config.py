@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from headmoe.config import ParallelConfig, check_positive_int, is_int, is_number
+from headmoe.config import DTYPES, ParallelConfig, check_positive_int, is_int, is_number
 from headmoe.files import brief
 
 #: modality ids, in packing order ([video | audio | text]); modality-specific weights are
@@ -25,7 +25,7 @@ VIDEO, AUDIO, TEXT = 0, 1, 2
 
 #: `params_dtype` names of the public schema -> torch dtypes (the dtype of the linears and
 #: experts; everything else is fp32)
-PARAMS_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PARAMS_DTYPES: dict[str, torch.dtype] = {"float32": DTYPES["fp32"], "bfloat16": DTYPES["bf16"]}
 
 
 @dataclass(frozen=True)
