@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,8 +22,8 @@ from headmoe.pipeline.image import prepare_image
 from headmoe.pipeline.job import GenerateJob, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from tests.pipeline.goldens import golden_file
+from tests.pipeline.test_release import _generate as release_generate
 
-HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 PROMPT = "a red fox running through snow at dusk"
 REQUEST = ["--height", "64", "--width", "96", "--num-frames", "5", "--num-inference-steps", "2",
            "--prompt", PROMPT, "--no-progress"]
@@ -157,13 +154,9 @@ def test_bad_images_refused_before_any_rank(folder, tmp_path, capsys, monkeypatc
 
 
 def _generate(folder: Path, out: Path, nproc: int, *flags: str) -> dict:
-    layout = ["--ulysses-degree", str(nproc)] if nproc > 1 else []
-    cmd = [HEADMOE, "generate", "--model", str(folder), "--nproc", str(nproc), *layout,
-           "--output", str(out), "--timeout", "120", "--image", str(_image_path()),
-           *REQUEST, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(out.with_suffix(".json").read_text())
+    """`test_release._generate` (a subprocess run) of `REQUEST` with the image."""
+    return release_generate(folder, out, nproc, "--image", str(_image_path()), *REQUEST,
+                            *flags)
 
 
 @pytest.mark.multirank

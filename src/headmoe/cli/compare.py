@@ -38,7 +38,8 @@ from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.pipeline.encoders import ByteTextEncoder
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.layouts import layout_name, parse_layout
-from headmoe.planner.predict import forward_counters
+from headmoe.planner.memory import StreamSettings, streamed_counts
+from headmoe.planner.predict import forward_counters, layout_topology
 from headmoe.planner.request import RequestShape
 
 #: generate options compare sets itself (by argparse dest)
@@ -180,9 +181,15 @@ def predicted_summary(
         text = ByteTextEncoder(1)
         tokens = (len(text.tokenize(req["prompt"])), len(text.tokenize(req["negative_prompt"])))
     shape = RequestShape(tuple(side["latents"]["video"][:3]), side["latents"]["audio"][0], tokens)
-    one = forward_counters(get_config(name), shape, parallel, rank, DTYPES[req["dtype"]])
+    model, dtype = get_config(name), DTYPES[req["dtype"]]
+    one = forward_counters(model, shape, parallel, rank, dtype)
     steps = req["num_inference_steps"]
-    return Counters(one.moe_rows * steps, one.exchanges * steps).summary()
+    streamed = []
+    if side["layout"].get("offload_layers"):  # --offload-layers: the weight bytes moved
+        ep = layout_topology(model, parallel).coords(rank).ep
+        streamed = streamed_counts(model, parallel.resolved_expert_parallel_size(), ep, dtype,
+                                   StreamSettings(side["layout"]["resident_layers"]), steps)
+    return Counters(one.moe_rows * steps, one.exchanges * steps, streamed).summary()
 
 
 def summarize(

@@ -105,6 +105,17 @@ def stream_estimate(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch
         sum(per_layer[i][0] for i in resident), slots, moved, slots)
 
 
+def streamed_counts(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch.dtype,
+                    settings: StreamSettings, forwards: int) -> list[int]:
+    """The bytes `Counters.record_stream` records on EP rank `ep_rank` over `forwards`
+    forwards, one entry per streamed layer run on a fresh fill: every streamed layer every
+    forward, or the first forward only when the slots hold every streamed layer."""
+    _, streamed = split_layers(model.num_layers, settings.resident_layers)
+    per_layer = layer_bytes(model, ep_size, ep_rank, dtype)
+    once = [per_layer[i][0] for i in streamed]
+    return once * (forwards if len(streamed) > settings.slots else min(forwards, 1))
+
+
 def busiest_stream(model: Magi2Config, parallel: ParallelConfig, dtype: torch.dtype,
                    settings: StreamSettings) -> StreamEstimate:
     """The `StreamEstimate` of the EP rank with the most device weight bytes."""
