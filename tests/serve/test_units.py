@@ -25,7 +25,7 @@ from tests.pipeline.fake import fake_components
     (["--max-queue", "0"], "--max-queue must be >= 1, got 0"),
     (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
     (["--drain-timeout", "0"], "--drain-timeout must be > 0 seconds"),
-    (["--timeout", "-1"], "--timeout must be > 0"),
+    (["--timeout", "-1"], "--timeout must be at least 1 s"),
     (["--memory-gib", "0.001"], "the weights alone do not fit: --model tiny (config tiny): "
                                 "--height=16, --width=16, --num-frames=1 need an estimated"),
     (["--memory-gib", "inf"], "--max-memory-gib must be a number of GiB in [0, 1,048,576]"),

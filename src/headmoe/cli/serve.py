@@ -177,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     env = torchrun_env()
     if env is None or env.rank == 0:
+        if args.model == "tiny":
+            from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE
+
+            print(f"headmoe serve: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
         print(f"headmoe serve: checked the flags and the model folder; starting {world} "
               "rank(s)", file=sys.stderr, flush=True)
         if not _port_free(spec.host, spec.port):
@@ -185,9 +189,11 @@ def run(args: argparse.Namespace) -> int:
         from headmoe.serve.supervisor import run_local
 
         return run_local(spec, world)
+    from headmoe.distributed.context import set_rank_threads
     from headmoe.serve.worker import serve_rank
 
     rank = 0 if env is None else env.rank
+    set_rank_threads(1 if env is None else env.local_world_size)
     try:
         serve_rank(spec, rank, world, None)
     except Exception as exc:  # noqa: BLE001 - one line for the operator, traceback above

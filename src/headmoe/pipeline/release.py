@@ -43,6 +43,10 @@ MODEL_CONFIG = "config.json"
 VIDEO_DECODERS: tuple[str, ...] = ("turbo", "wan2.2")
 #: folder of each video decoder
 VIDEO_DECODER_DIRS = {"turbo": TURBO_DIR, "wan2.2": WAN_DIR}
+#: printed whenever the embedded tiny release runs: its weights are random
+RANDOM_WEIGHTS_NOTE = ("note: --model tiny is the embedded tiny release with random weights, "
+                       "so the video is coloured noise and the audio is noise; pass a MAGI-2 "
+                       "release folder with --model PATH for real output")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Local ranks of ``headmoe serve`` in spawned processes, watched by the launching process.
 
 `run_local` starts ``world_size`` processes (spawn start method; a file rendezvous in a
-fresh temp folder; on CPU ``cpu_count // world_size`` torch threads each) that run
+fresh temp folder; on CPU `set_rank_threads` gives each its share of the cores) that run
 `headmoe.serve.worker.serve_rank`, then watches them every 0.1 s:
 
 - every rank exited 0 (a drained stop): return 0;
