@@ -480,7 +480,11 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
         found = rel.find_release(args.model, video, args.offload, image, args.model_config)
         validate_parallel(found.model_config, parallel)
     rel.check_release(found)  # headers only, before any rank starts
-    return found
+    unused = rel.unused_entries(found)
+    if unused:
+        print(f"headmoe: warning: entries headmoe does not use (nor does the reference), "
+              f"recorded in the sidecar: {'; '.join(unused)}", file=sys.stderr)
+    return dataclasses.replace(found, unused=tuple(unused))
 
 
 def run(args: argparse.Namespace) -> int:
