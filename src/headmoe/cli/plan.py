@@ -249,6 +249,38 @@ def format_stream_table(plans: list[LayoutPlan]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+def print_text(args: argparse.Namespace, model: Any, request: RequestShape, parts: Any,
+               plans: list[LayoutPlan], reason: str, streamed: bool, memory: int | None
+               ) -> None:
+    """The plan as text: the request and components, the layouts table, the streaming
+    table (`--offload-layers`), and the note on components over the budget."""
+    image = getattr(args, "image", False)
+    print(
+        f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
+        f"{request.video_tokens} video + {request.audio_tokens} audio + "
+        f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
+        f"components (device bytes when loaded): text encoder "
+        f"{parts.text_encoder / GIB:,.2f} GiB on each node's first rank, {args.video_decoder} "
+        f"video decoder {parts.video_decoder / GIB:,.2f} GiB + audio decoder "
+        f"{parts.audio_decoder / GIB:,.2f} GiB on each output rank"
+        + (f", image encoder {parts.image_encoder / GIB:,.2f} GiB on rank 0 (+"
+           f"{request.image_tokens} image tokens per branch)" if image else "")
+        + f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
+    )
+    print(format_table(plans, reason))
+    if streamed:
+        print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
+              "page cache of the checkpoint's streamed bytes the node's ranks read, "
+              "once, plus each rank's pinned slots):\n")
+        print(format_stream_table(plans))
+    best = next(p for p in plans if p.recommended)
+    if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
+        print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
+              f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
+              f"{args.memory_gib:g}: run generate with --offload (components on the host "
+              "between uses).")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
@@ -297,30 +329,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(
-            f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
-            f"{request.video_tokens} video + {request.audio_tokens} audio + "
-            f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
-            f"components (device bytes when loaded): text encoder "
-            f"{parts.text_encoder / GIB:,.2f} GiB on each node's first rank, {args.video_decoder} "
-            f"video decoder {parts.video_decoder / GIB:,.2f} GiB + audio decoder "
-            f"{parts.audio_decoder / GIB:,.2f} GiB on each output rank"
-            + (f", image encoder {parts.image_encoder / GIB:,.2f} GiB on rank 0 (+"
-               f"{request.image_tokens} image tokens per branch)" if image else "")
-            + f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
-        )
-        print(format_table(plans, reason))
-        if stream is not None:
-            print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
-                  "page cache of the checkpoint's streamed bytes the node's ranks read, "
-                  "once, plus each rank's pinned slots):\n")
-            print(format_stream_table(plans))
-        best = next(p for p in plans if p.recommended)
-        if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
-            print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
-                  f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
-                  f"{args.memory_gib:g}: run generate with --offload (components on the host "
-                  "between uses).")
+        print_text(args, model, request, parts, plans, reason, stream is not None, memory)
     return 0
 
 

@@ -66,6 +66,9 @@ from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedul
 from headmoe.pipeline.seeding import seeded_generator
 from headmoe.pipeline.video_latents import frame_count
 
+#: the shortest collective timeout (s): below it the ranks cannot even join the group
+MIN_TIMEOUT_S = 1.0
+
 
 @dataclass(frozen=True)
 class GenerateJob:
@@ -106,6 +109,9 @@ class GenerateJob:
 
     def __post_init__(self) -> None:
         check_positive_number("timeout_s", self.timeout_s)
+        if self.timeout_s < MIN_TIMEOUT_S:
+            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
+                             f"joining the ranks), got {self.timeout_s!r}")
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:
@@ -422,8 +428,8 @@ def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: 
 def launched_rank(job: GenerateJob) -> dict[str, Any]:
     """Entry point of a rank started by `launch_local` or torchrun: joins the world from
     the environment (Gloo on CPU, NCCL on GPU with device LOCAL_RANK; on CPU
-    ``cpu_count // LOCAL_WORLD_SIZE`` torch threads), with ``job.timeout_s`` bounding every
-    collective, runs `run_job` and tears the groups down."""
+    `set_rank_threads`: the available cores // LOCAL_WORLD_SIZE torch threads), with
+    ``job.timeout_s`` bounding every collective, runs `run_job` and tears the groups down."""
     env = torchrun_env()
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
