@@ -84,7 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from headmoe.cli.errors import run_guarded
 
     args = build_parser().parse_args(argv)
-    return run_guarded(lambda: args.run(args), args.command, args.debug)
+    from headmoe import check_torch
+
+    def run() -> int:
+        check_torch()
+        return args.run(args)
+
+    return run_guarded(run, args.command, args.debug)
 
 
 if __name__ == "__main__":
