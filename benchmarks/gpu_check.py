@@ -585,17 +585,19 @@ def device_compile_info(ctx: Ctx) -> None:
 
     kern = triton_runtime.kernels(triton_moe.KERNELS)
     for name in ("route_kernel", "gate_up_kernel", "down_kernel", "combine_kernel"):
-        fn = getattr(kern, name)
-        caches = getattr(fn, "device_caches", None)
+        caches = getattr(getattr(kern, name), "device_caches", None)
         if not caches:
             ctx.report.add("c", f"device compile: {name}", "", "interpreter: no device compile")
             continue
-        for cache in caches.values():
-            for compiled in cache[0].values():
-                compiled._init_handles()
-                ctx.report.add("c", f"device compile: {name}", "",
-                               f"registers={compiled.n_regs} spills={compiled.n_spills} "
-                               f"shared={compiled.metadata.shared:,} B")  # fmt: skip
+        try:  # triton's JIT internals (3.9: device -> (kernel cache, ...)) may move
+            for cache in caches.values():
+                for compiled in cache[0].values():
+                    compiled._init_handles()
+                    ctx.report.add("c", f"device compile: {name}", "",
+                                   f"registers={compiled.n_regs} spills={compiled.n_spills} "
+                                   f"shared={compiled.metadata.shared:,} B")  # fmt: skip
+        except (AttributeError, IndexError, KeyError, TypeError) as e:
+            ctx.report.add("c", f"device compile: {name}", "", f"unreadable: {e!r}")
 
 
 def bench_moe_tokens(ctx: Ctx, n: int) -> None:

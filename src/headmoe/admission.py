@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from headmoe.config import ParallelConfig, is_number
+from headmoe.config import GIB, ParallelConfig, is_number
 from headmoe.errors import Refusal
 from headmoe.pipeline import audio_vae, video_latents
 from headmoe.pipeline.recipe import (
@@ -56,7 +56,7 @@ from headmoe.pipeline.request import (
     show,
 )
 from headmoe.pipeline.seeding import SEED_LIMIT
-from headmoe.planner.memory import GIB, MemoryEstimate, estimate_memory, memory_limit
+from headmoe.planner.memory import MemoryEstimate, estimate_memory, memory_limit
 from headmoe.planner.request import RequestShape
 
 #: the refiner stage's fields (``resolution="1080p"`` sets its size)

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,8 +22,8 @@ from headmoe.pipeline.image import prepare_image
 from headmoe.pipeline.job import GenerateJob, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from tests.pipeline.goldens import golden_file
+from tests.pipeline.test_release import _generate as release_generate
 
-HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 PROMPT = "a red fox running through snow at dusk"
 REQUEST = ["--height", "64", "--width", "96", "--num-frames", "5", "--num-inference-steps", "2",
            "--prompt", PROMPT, "--no-progress"]
@@ -156,14 +153,28 @@ def test_bad_images_refused_before_any_rank(folder, tmp_path, capsys, monkeypatc
     assert "--image needs a release folder with vae/" in err
 
 
+def test_animated_image_names_the_frame_used(folder, tmp_path, capsys):
+    """generate's checks (no rank starts in `build_job`) say which frame is used."""
+    import argparse
+
+    from PIL import Image
+
+    frames = [Image.new("RGB", (40, 24), c) for c in ((255, 0, 0), (0, 0, 255))]
+    path = tmp_path / "anim.png"
+    frames[0].save(path, "PNG", save_all=True, append_images=frames[1:])
+    parser = argparse.ArgumentParser()
+    generate_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--model", str(folder), "--image", str(path),
+                              "--output", str(tmp_path / "a.mp4"), *REQUEST])
+    job, _ = generate_cli.build_job(args)
+    assert job.image.frames == 2 and job.image.pixels_uint8()[0, 0].tolist() == [255, 0, 0]
+    assert "is animated (2 frames); its first frame is used" in capsys.readouterr().err
+
+
 def _generate(folder: Path, out: Path, nproc: int, *flags: str) -> dict:
-    layout = ["--ulysses-degree", str(nproc)] if nproc > 1 else []
-    cmd = [HEADMOE, "generate", "--model", str(folder), "--nproc", str(nproc), *layout,
-           "--output", str(out), "--timeout", "120", "--image", str(_image_path()),
-           *REQUEST, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(out.with_suffix(".json").read_text())
+    """`test_release._generate` (a subprocess run) of `REQUEST` with the image."""
+    return release_generate(folder, out, nproc, "--image", str(_image_path()), *REQUEST,
+                            *flags)
 
 
 @pytest.mark.multirank

@@ -33,6 +33,7 @@ def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
     from headmoe.cli.checks import add_memory_flag
     from headmoe.cli.generate import add_layout_flags
+    from headmoe.cli.plan import add_stream_arguments
 
     p = subparsers.add_parser(
         "serve",
@@ -51,6 +52,7 @@ def register(subparsers: Any) -> None:
                    help="transformer dtype of every request (default: the model's recipe: "
                    "fp32 for the tiny release; MAGI-2 Preview: bf16 on a GPU, fp32 on a CPU)")
     add_layout_flags(p)
+    add_stream_arguments(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks (default: the layout's world size); not under torchrun")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -81,8 +83,8 @@ def register(subparsers: Any) -> None:
 #: generate flags a server fixes for every request (its outputs are server-named files),
 #: and the smallest request, admitted at start: the model alone must fit the budget
 GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
-                 "video_decoder": None, "offload": False, "offload_layers": False,
-                 "resident_layers": 0, **{name: None for name in INPUT_FIELDS}, "prompt": "",
+                 "video_decoder": None, "offload": False,
+                 **{name: None for name in INPUT_FIELDS}, "prompt": "",
                  "height": 16, "width": 16, "num_frames": 1, "image": None,
                  "image_encoder": None}
 
@@ -136,7 +138,9 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
                      job.request.dtype, output_dir, args.host, args.port, args.api_key,
                      args.max_queue, args.timeout, args.drain_timeout,
                      dep.budget.limit, log_level=args.log_level, release=job.release,
-                     deployment=dataclasses.replace(dep, refiner_config=None))  # no 1080p yet
+                     deployment=dataclasses.replace(dep, refiner_config=None),  # no 1080p yet
+                     offload_layers=job.offload_layers,
+                     resident_layers=job.resident_layers)
     return spec, world
 
 
@@ -178,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     env = torchrun_env()
     if env is None or env.rank == 0:
+        if args.model == "tiny":
+            from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE
+
+            print(f"headmoe serve: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
         print(f"headmoe serve: checked the flags and the model folder; starting {world} "
               "rank(s)", file=sys.stderr, flush=True)
         if not _port_free(spec.host, spec.port):
@@ -186,9 +194,11 @@ def run(args: argparse.Namespace) -> int:
         from headmoe.serve.supervisor import run_local
 
         return run_local(spec, world)
+    from headmoe.distributed.context import set_rank_threads
     from headmoe.serve.worker import serve_rank
 
     rank = 0 if env is None else env.rank
+    set_rank_threads(1 if env is None else env.local_world_size)
     try:
         serve_rank(spec, rank, world, None)
     except Exception as exc:  # noqa: BLE001 - one line for the operator, traceback above

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from headmoe.config import is_int
+
 #: layers' weights on the device at once by default (the layer running and the next one)
 DEFAULT_SLOTS = 2
 #: byte alignment of every tensor inside a slot (the CUDA caching allocator's, >= CPU's 64)
@@ -76,9 +78,7 @@ class TensorRead:
 def split_layers(num_layers: int, resident_layers: int) -> tuple[range, range]:
     """`(resident, streamed)` layer ids: the first `resident_layers` layers stay on the
     device, the others stream. Raises `ValueError` naming `resident_layers`."""
-    if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or not (
-        0 <= resident_layers <= num_layers
-    ):
+    if not is_int(resident_layers) or not 0 <= resident_layers <= num_layers:
         raise ValueError(f"resident_layers must be an int in [0, {num_layers}] (the model's "
                          f"layers), got {resident_layers!r}")
     return range(resident_layers), range(resident_layers, num_layers)
@@ -86,7 +86,7 @@ def split_layers(num_layers: int, resident_layers: int) -> tuple[range, range]:
 
 def check_slots(slots: Any) -> int:
     """`slots` if it is an int >= 1, else `ValueError` naming it."""
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+    if not is_int(slots) or slots < 1:
         raise ValueError(f"slots (layers in flight) must be an int >= 1, got {slots!r}")
     return slots
 

@@ -5,6 +5,7 @@ with its model config)."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -58,6 +59,15 @@ class Magi2Denoiser:
         return [(o.video, o.audio) for o in self.model(list(branches))]
 
 
+def _progress(ctx: ParallelContext, job: GenerateJob):
+    """A function printing one ``headmoe: ...`` start-up line on stderr, on rank 0 of a job
+    with a progress bar only (so that the seconds before the bar are not silent)."""
+    def say(text: str) -> None:
+        if job.progress and ctx.rank == 0:
+            print(f"headmoe: {text}", file=sys.stderr, flush=True)
+    return say
+
+
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
@@ -65,6 +75,9 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     each node's first rank, decoders on the output rank, image encoder on rank 0) or the
     stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
+    say = _progress(ctx, job)
+    say(f"building the transformer ({cfg.num_layers} layers) and loading its weights on "
+        f"{ctx.world_size} rank(s)")
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
             cfg, ctx, job.request.torch_dtype, job.checkpoint,
@@ -79,6 +92,7 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
         watch_layers(model)
     if job.release is not None:
         timeout = timedelta(seconds=job.timeout_s)
+        say("loading the text encoder and the video and audio decoders")
         return Components(
             Magi2Denoiser(model),
             placement.node_text_encoder(ctx, job.release, timeout),

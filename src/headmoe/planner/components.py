@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from headmoe.distributed.topology import Topology
-from headmoe.pipeline.placement import IMAGE_RANK
+from headmoe.pipeline.placement import IMAGE_RANK, is_output_coords
 
 #: Qwen3.5-27B text model sizes used when no release folder is given (MAGI2.md section 7:
 #: 5120-d features); the folder's config.json is the authority when there is one
@@ -159,7 +159,7 @@ def component_bytes_per_rank(topo: Topology, parts: ComponentBytes, ranks_per_no
     for rank in range(topo.world_size):
         c = topo.coords(rank)
         held = parts.text_encoder if rank % ranks_per_node == 0 else 0
-        held += parts.decoders if (c.sp, c.cfg) == (0, 0) else 0
+        held += parts.decoders if is_output_coords(c) else 0
         held += parts.image_encoder if rank == IMAGE_RANK else 0
         out.append(0 if offload else held)
     return tuple(out)

@@ -100,7 +100,7 @@ class Leader:
             self.drain_requested = True  # the supervisor is gone: stop now
             self.drain_deadline = time.monotonic()
         if self.drain_requested and not self.store.draining:
-            self.store.start_drain()
+            self._start_drain()
             self.drain_deadline = self.drain_deadline or time.monotonic() + self.spec.drain_timeout_s
         if self.store.draining:
             return {"op": "stop"}
@@ -112,13 +112,20 @@ class Leader:
                 "admission": job.admission,
                 "image": None if job.image is None else job.image.describe()}
 
+    def _start_drain(self) -> None:
+        self.store.start_drain()
+        running = "" if self.current is None else (
+            f"; the current job gets up to {self.spec.drain_timeout_s:g} s more")
+        print(f"headmoe serve: stopping: no new jobs, queued ones cancelled{running}",
+              file=sys.stderr, flush=True)
+
     def must_stop(self, done: int) -> bool:
         """After step ``done`` of the current job: cancel it now?"""
         now = time.perf_counter()
         cancel = self.store.record_step(self.current, done, now - self._last_step)
         self._last_step = now
         if self.drain_requested and not self.store.draining:
-            self.store.start_drain()
+            self._start_drain()
             self.drain_deadline = time.monotonic() + self.spec.drain_timeout_s
         late = self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
         return cancel or late
@@ -233,6 +240,9 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
             leader.start_http()  # /health says "loading" until the model is in
         t0 = time.perf_counter()
+        if leader is not None:
+            print(f"headmoe serve: loading the model on {world_size} rank(s); /health says "
+                  "loading until it is in", file=sys.stderr, flush=True)
         parts = build_components(ctx, template)
         if leader is not None:
             _announce(leader, time.perf_counter() - t0, ctx)
@@ -241,6 +251,8 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         if leader is not None:
             leader.stop_http()
         ctx.destroy()
+    if leader is not None:
+        print("headmoe serve: stopped", file=sys.stderr, flush=True)
 
 
 def _announce(leader: Leader, load_s: float, ctx: ParallelContext) -> None:

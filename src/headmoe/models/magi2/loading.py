@@ -2,7 +2,7 @@
 random writer (safetensors only).
 
 A checkpoint holds the full, unsharded tensors of the released transformer (MAGI2.md
-section 4; ../shared/golden/magi2/preview_tensors.tsv for MAGI-2 Preview): linears and
+section 4; golden/magi2/preview_tensors.tsv for MAGI-2 Preview): linears and
 experts in `params_dtype`, everything else in fp32. Names may all carry a `transformer.`
 prefix (a mix of prefixed and bare names is refused). Loading first checks every header
 (names, shapes, dtypes; index files and their shard paths) and refuses the checkpoint

@@ -9,7 +9,7 @@ coords `(T+2, -1, -1, 1, h, w, 1, h, w)`) and the reference image's `h*w` latent
 their outputs are dropped by `unpack_outputs`. Every table here is a per-row function of the
 row's own coordinates, so any shard of the rows computes the same bits as the whole.
 
-Public tensors (`PackedInputs`), as in ../shared/golden/magi2/*.safetensors `packed.*`:
+Public tensors (`PackedInputs`), as in golden/magi2/*.safetensors `packed.*`:
 
 | name | shape | dtype | meaning |
 |---|---|---|---|

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headmoe.config import DTYPES
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import gather_rows, ulysses_heads_to_seq, ulysses_seq_to_heads
 from headmoe.distributed.sharding import sp_rows, sp_token_counts
@@ -189,7 +190,7 @@ class Magi2Refiner(nn.Module):
         dtype: torch.dtype = torch.float32, mlp_chunk_rows: int = MLP_CHUNK_ROWS,
     ) -> None:
         super().__init__()
-        if dtype not in (torch.float32, torch.bfloat16):
+        if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
         context = context if context is not None else ParallelContext.single()
         validate_parallel(config, context.config)
