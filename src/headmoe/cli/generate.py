@@ -412,9 +412,13 @@ def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> 
     from headmoe.pipeline.image import ImageError, read_image
 
     try:
-        return read_image(args.image, request.height, request.width)
+        image = read_image(args.image, request.height, request.width)
     except ImageError as exc:
         raise UserError(str(exc)) from None
+    if image.frames > 1:
+        print(f"headmoe: note: --image {args.image!r} is animated ({image.frames} frames); "
+              "its first frame is used", file=sys.stderr)
+    return image
 
 
 def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
