@@ -153,6 +153,24 @@ def test_bad_images_refused_before_any_rank(folder, tmp_path, capsys, monkeypatc
     assert "--image needs a release folder with vae/" in err
 
 
+def test_animated_image_names_the_frame_used(folder, tmp_path, capsys):
+    """generate's checks (no rank starts in `build_job`) say which frame is used."""
+    import argparse
+
+    from PIL import Image
+
+    frames = [Image.new("RGB", (40, 24), c) for c in ((255, 0, 0), (0, 0, 255))]
+    path = tmp_path / "anim.png"
+    frames[0].save(path, "PNG", save_all=True, append_images=frames[1:])
+    parser = argparse.ArgumentParser()
+    generate_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--model", str(folder), "--image", str(path),
+                              "--output", str(tmp_path / "a.mp4"), *REQUEST])
+    job, _ = generate_cli.build_job(args)
+    assert job.image.frames == 2 and job.image.pixels_uint8()[0, 0].tolist() == [255, 0, 0]
+    assert "is animated (2 frames); its first frame is used" in capsys.readouterr().err
+
+
 def _generate(folder: Path, out: Path, nproc: int, *flags: str) -> dict:
     """`test_release._generate` (a subprocess run) of `REQUEST` with the image."""
     return release_generate(folder, out, nproc, "--image", str(_image_path()), *REQUEST,
