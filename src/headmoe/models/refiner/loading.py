@@ -30,10 +30,8 @@ from headmoe.models.refiner.model import Magi2Refiner
 from headmoe.models.streaming import (
     DEFAULT_SLOTS,
     LayerStreamer,
-    MappedCheckpoint,
+    attach_streamer,
     check_slots,
-    layer_index,
-    materialise_except,
     split_layers,
     whole_reads,
 )
@@ -114,12 +112,11 @@ def stream_refiner(
     with torch.device("meta"):
         model = Magi2Refiner(config, context, dtype=dtype)
     layers = model.block.layers
-    materialise_except(model, [layers[i] for i in streamed], context.device)
-    load_refiner(model, path, skip=lambda n: layer_index(n) in streamed)
-    source = MappedCheckpoint({report.prefix + n: f for n, (f, _, _) in headers.items()})
-    reads = {i: whole_reads(layers[i], f"{report.prefix}block.layers.{i}.") for i in streamed}
-    return model, LayerStreamer(layers, streamed, reads, source, context.device, slots,
-                                counters=context.counters, timeout_s=timeout_s)
+    files = {report.prefix + n: f for n, (f, _, _) in headers.items()}
+    return model, attach_streamer(
+        model, layers, streamed, lambda skip: load_refiner(model, path, skip=skip),
+        lambda i: whole_reads(layers[i], f"{report.prefix}block.layers.{i}."), files, context,
+        slots, timeout_s)
 
 
 def write_random_refiner(
