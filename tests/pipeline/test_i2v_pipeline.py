@@ -20,10 +20,12 @@ import headmoe.cli.generate as generate_cli
 from headmoe.cli.main import main
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline import i2v, placement, release
+from headmoe.pipeline import i2v
 from headmoe.pipeline.image import prepare_image
 from headmoe.pipeline.job import GenerateJob, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.release import folder as release
+from headmoe.release import placement
 from tests.pipeline.goldens import golden_file
 
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))
@@ -111,7 +113,7 @@ def _broadcast_body(rank, world_size, folder, image):
 
 @pytest.mark.multirank
 def test_latent_reaches_every_rank(folder):
-    from headmoe.pipeline import wan_vae
+    from headmoe.release import wan_vae
     from headmoe.testing import run_ranks
 
     image = _image()

@@ -16,9 +16,9 @@ from headmoe.cli.generate import build_job
 from headmoe.cli.main import build_parser, main
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline import release
 from headmoe.pipeline.job import run_job, run_jobs
 from headmoe.pipeline.media import read_mp4
+from headmoe.release import folder as release
 from headmoe.testing import run_ranks
 
 REQUEST = ["--height", "32", "--width", "48", "--num-frames", "9", "--num-inference-steps", "2",

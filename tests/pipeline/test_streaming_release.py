@@ -8,9 +8,9 @@ import torch
 
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline import release
 from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.release import folder as release
 
 EP2 = {"ulysses_degree": 4, "enable_expert_parallel": True, "expert_parallel_size": 2}
 #: (name, layout, resident layers); every rank of every layout streams its own shard

@@ -178,7 +178,7 @@ def _tensors(obj: Any, name: str = "") -> Any:
 
 def decoder_files(release: Any) -> list[str]:
     """The weight files of the release's chosen video decoder and its audio decoder."""
-    from headmoe.pipeline import audio_vae, turbo_vae, wan_vae
+    from headmoe.release import audio_vae, turbo_vae, wan_vae
 
     video = turbo_vae.CHECKPOINT_FILE if release.video_decoder == "turbo" else \
         wan_vae.CHECKPOINT_FILE
@@ -188,8 +188,8 @@ def decoder_files(release: Any) -> list[str]:
 
 def scan_decoders(release: Any) -> None:
     """``--check-weights`` on a release folder: every tensor of the video and audio
-    decoders (read safely, `headmoe.pipeline.weights.read_tensors`); NaN/Inf refused."""
-    from headmoe.pipeline.weights import read_tensors
+    decoders (read safely, `headmoe.release.weights.read_tensors`); NaN/Inf refused."""
+    from headmoe.release.weights import read_tensors
 
     for file in decoder_files(release):
         bad = [f"{name} ({kind})" for name, t in _tensors(read_tensors(file))

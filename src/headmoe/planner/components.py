@@ -4,7 +4,7 @@ Sizes are parameter + buffer bytes of each component as headmoe loads it, counte
 meta device (no memory): the text encoder's first ``L - 2`` decoder layers and embedding in
 its model dtype (`text_encoder.model_dtype`); the video decoder in bf16 (TurboV3, or the
 whole Wan2.2 ``AutoencoderKLWan``, encoder included, as `load_wan_vae` builds it); the
-Oobleck decoder in fp32 with its weight norm folded (`headmoe.pipeline.placement`).
+Oobleck decoder in fp32 with its weight norm folded (`headmoe.release.placement`).
 Sources: a release folder (its own configs), or a preset: "tiny" (the embedded tiny
 folder's `TINY_SPEC`) or "magi2-preview" (released decoder configs; for the text encoder
 `PREVIEW_TEXT_CONFIG`, our reading of the published Qwen3.5-27B sizes, which a folder's
@@ -67,7 +67,8 @@ def _text_bytes(cfg, dtype: torch.dtype) -> int:
 def _text_config(source: str):
     from transformers import Qwen3_5TextConfig
 
-    from headmoe.pipeline import release, text_encoder, tiny_text_encoder
+    from headmoe.release import folder as release
+    from headmoe.release import text_encoder, tiny_text_encoder
 
     if source == "tiny":
         t = release.TINY_SPEC["text_encoder"]
@@ -82,7 +83,8 @@ def _text_config(source: str):
 
 
 def _video_bytes(source: str, video_decoder: str) -> int:
-    from headmoe.pipeline import release, turbo_vae, wan_vae
+    from headmoe.release import folder as release
+    from headmoe.release import turbo_vae, wan_vae
 
     if video_decoder == "turbo":
         if source in ("tiny", "magi2-preview"):
@@ -104,7 +106,8 @@ def _video_bytes(source: str, video_decoder: str) -> int:
 
 
 def _audio_bytes(source: str) -> int:
-    from headmoe.pipeline import audio_vae, release
+    from headmoe.release import audio_vae
+    from headmoe.release import folder as release
 
     if source == "tiny":
         cfg = audio_vae.OobleckConfig(channels=release.TINY_SPEC["audio"]["channels"])

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from headmoe.files import read_json
-from headmoe.pipeline import video_latents
-from headmoe.pipeline.weights import check_tensors, read_tensors
+from headmoe.release import video_latents
+from headmoe.release.weights import check_tensors, read_tensors
 
 CONFIG_FILE = "TurboV3-Wan22-TinyShallow_7_7.json"
 CHECKPOINT_FILE = "checkpoint.ckpt"
@@ -413,7 +413,7 @@ def load_turbo_vae(
 
 
 class TurboVideoDecoder:
-    """`headmoe.pipeline.encoders.VideoDecoder` over a `TurboV3`: pipeline latents
+    """`headmoe.pipeline.interfaces.VideoDecoder` over a `TurboV3`: pipeline latents
     ``[T_lat, H_lat, W_lat, 48]`` (normalised, fp32) -> uint8 ``[num_frames, 16 H_lat,
     16 W_lat, 3]``. De-normalisation happens inside `TurboV3.decode`."""
 
