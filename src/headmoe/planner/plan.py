@@ -235,9 +235,16 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
     )
 
 
+def _streamed(p: LayoutPlan) -> int:
+    """Weight bytes one rank streams per step (0 without `--offload-layers`)."""
+    return 0 if p.streaming is None else p.streaming.estimate.bytes_per_step
+
+
 def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, str]:
     """Index of the recommended plan and a one-line reason: among layouts whose transformer
-    weights fit `memory_bytes` per rank (all when None), the fewest busiest-rank MoE rows
+    weights (streamed: `LayoutPlan.fit_bytes`) fit `memory_bytes` per rank (all when None),
+    with streaming first the fewest bytes streamed per rank per step, then the fewest
+    busiest-rank MoE rows
     (the MoE compute of the slowest rank), then the fewest bytes sent per rank per forward,
     then the fewest expert bytes per rank. Raises `ValueError` when no layout fits. (The
     components' bytes are reported, `LayoutPlan.busiest_rank_bytes`, not filtered on: they
@@ -252,12 +259,16 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
             f"needs {least:.1f} GiB {what}), pass --memory-gib {math.ceil(least)} or more, "
             "or a larger --world-size"
         )
-    best = min(fits, key=lambda i: (plans[i].busiest_moe_rows, plans[i].bytes_sent_per_forward,
+    best = min(fits, key=lambda i: (_streamed(plans[i]), plans[i].busiest_moe_rows,
+                                    plans[i].bytes_sent_per_forward,
                                     plans[i].expert_weight_bytes_per_rank))
     b = plans[best]
-    tied = [plans[i].name for i in fits
-            if plans[i].busiest_moe_rows == b.busiest_moe_rows and i != best]
+    tied = [plans[i].name for i in fits if i != best and (
+        _streamed(plans[i]), plans[i].busiest_moe_rows) == (_streamed(b), b.busiest_moe_rows)]
     reason = f"fewest busiest-rank MoE rows ({b.busiest_moe_rows:,} per layer)"
+    if b.streaming is not None:  # copying the layers dominates a streamed step
+        reason = (f"fewest weight bytes streamed per rank per step ({_streamed(b) / 1e9:,.1f} "
+                  f"GB), then {reason}")
     if memory_bytes is not None:
         what = "weights" if b.streaming is None else "streamed device estimate"
         reason += f" among layouts whose {what} fit {memory_bytes / GIB:g} GiB/rank"
