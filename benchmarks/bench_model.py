@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_model.py
     .venv/bin/python benchmarks/bench_model.py --baseline-src /path/to/other/headmoe/src
 
-Requests: the three golden request shapes (../shared/golden/magi2/cases.json: video grid,
+Requests: the three golden request shapes (golden/magi2/cases.json: video grid,
 audio latents, text tokens, CFG branches) and a 1k-token request (one branch, video
 4 x 12 x 16 = 768, audio 100, text 156). Each forward is timed `--reps` times after one
 warm-up; the median is reported.

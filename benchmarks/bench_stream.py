@@ -236,8 +236,8 @@ if __name__ == "__main__":
 
 
 # ---------------------------------------------------------------------- GPU section
-#: section of benchmarks/gpu_check.py: key and title
-GPU_SECTION = ("f", "layer streaming: H2D GB/s, step time resident vs streamed, copy hidden")
+#: the key of `gpu_section` among benchmarks/gpu_check.py's sections
+SECTION = "f"
 #: synthetic layers per forward and linears per layer in the GPU section
 GPU_LAYERS, GPU_LINEARS = 6, 8
 
@@ -325,9 +325,9 @@ def _gpu_copy_rates(ctx, source, reads, width, shape) -> None:
     dev = torch.empty_like(pinned, device=ctx.device)
     ms = ctx.time(lambda: dev.copy_(pinned, non_blocking=True))
     nbytes = pinned.numel() * pinned.element_size()
-    ctx.report.add(GPU_SECTION[0], "host stage: mapped file -> pinned (one layer)", shape,
+    ctx.report.add(SECTION, "host stage: mapped file -> pinned (one layer)", shape,
                    f"{nbytes / host_s / 1e9:.1f} GB/s")
-    ctx.report.add(GPU_SECTION[0], "H2D: pinned -> device (one layer)", shape,
+    ctx.report.add(SECTION, "H2D: pinned -> device (one layer)", shape,
                    "ran (dry)" if ms is None else f"{nbytes / ms / 1e6:.1f} GB/s, {ms:.2f} ms",
                    ">= 25 GB/s (the planner's default)",
                    None if ms is None else nbytes / ms / 1e6 >= 25)
@@ -354,14 +354,14 @@ def _gpu_step_times(ctx, resident, meta, streamer, width, shape) -> None:
         res_ms = ctx.time(lambda x=x: run(resident, x), reps=3)
         str_ms = ctx.time(lambda x=x: run(meta, x), reps=3)
         where = f"{GPU_LAYERS} layers, {tokens:,} tokens; {shape}"
-        ctx.report.add(GPU_SECTION[0], "streamed output == resident output", where,
+        ctx.report.add(SECTION, "streamed output == resident output", where,
                        str(same), "True", same)
         if res_ms is None:
-            ctx.report.add(GPU_SECTION[0], "resident / streamed step", where, "ran (dry)")
+            ctx.report.add(SECTION, "resident / streamed step", where, "ran (dry)")
             continue
         hidden = (res_ms + copy_ms - str_ms) / copy_ms
-        ctx.report.add(GPU_SECTION[0], "step time resident / streamed / copy alone", where,
+        ctx.report.add(SECTION, "step time resident / streamed / copy alone", where,
                        f"{res_ms:.1f} / {str_ms:.1f} / {copy_ms:.1f} ms (streamed "
                        f"{str_ms / res_ms:.2f}x)")
-        ctx.report.add(GPU_SECTION[0], "copy time hidden behind compute", where,
+        ctx.report.add(SECTION, "copy time hidden behind compute", where,
                        f"{100 * max(0.0, min(1.0, hidden)):.0f}%")

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 import headmoe.cli.generate as generate_cli
+from headmoe import admission
 from headmoe.cli.errors import describe
 from headmoe.cli.main import build_parser
 from headmoe.cli.serve import build_spec
@@ -49,11 +51,15 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(cache, tmp_path_factory):
+def spec(cache, tmp_path_factory):
     args = build_parser().parse_args(["serve", "--cache-dir", str(cache), "--max-memory-gib",
                                       BUDGET_GIB, "--output-dir",
                                       str(tmp_path_factory.mktemp("videos"))])
-    spec, _ = build_spec(args)
+    return build_spec(args)[0]
+
+
+@pytest.fixture(scope="module")
+def client(spec):
     with TestClient(create_app(JobStore(spec.output_dir, 16), spec)) as c:
         yield c
 
@@ -82,3 +88,93 @@ def serve_verdict(client, request: dict) -> tuple[str, str]:
 @pytest.mark.parametrize("request_", BAD, ids=[",".join(r) for r in BAD])
 def test_generate_and_serve_give_the_same_verdict(request_, cache, client, tmp_path):
     assert generate_verdict(cache, tmp_path, request_) == serve_verdict(client, request_)
+
+
+# ---------------------------------------------------------------------- issue 22 point 7
+def test_serve_refuses_num_frames_14_as_generate(cache, client, tmp_path):
+    """serve once checked the size with the stand-in decoder and took 14 frames."""
+    verdict = generate_verdict(cache, tmp_path, {"num_frames": 14})
+    assert verdict == serve_verdict(client, {"num_frames": 14})
+    assert verdict == ("num_frames", "num_frames=14 must be of the form 4k+1 (the video "
+                                     "decoders make 1 + 4k frames), use 13 or 17")
+
+
+def test_seed_limit_has_one_home(cache, client, tmp_path):
+    """One range, [0, 2**63), from `seeding.SEED_LIMIT` (serve once allowed 2**64 - 1); a
+    data-parallel job also keeps seed + k below it."""
+    from headmoe.pipeline.seeding import SEED_LIMIT
+
+    for seed in (SEED_LIMIT, 2**64 - 1):
+        got = generate_verdict(cache, tmp_path, {"seed": seed})
+        assert got == serve_verdict(client, {"seed": seed})
+        assert got[1] == f"seed={seed} must be an integer in [0, 2**63 - 1]"
+    r = client.post("/v1/videos", json={"prompt": "x", "seed": SEED_LIMIT - 1,
+                                         "num_inference_steps": 1})
+    assert r.status_code == 200, r.text
+    with pytest.raises(Refusal, match=r"seed=9223372036854775807 is above "
+                                      r"9223372036854775806: data-parallel group k"):
+        admission.check_seed(SEED_LIMIT - 1, 2)
+
+
+def test_one_memory_estimate_for_every_entry_point(spec):
+    """serve's admission runs the planner's estimate with the real tokenizer's counts (it
+    once had its own estimator with an attention term and a byte count of the text)."""
+    from headmoe.planner.memory import estimate_memory
+    from headmoe.serve.validate import admit_body, parse_body
+
+    got = admit_body(parse_body(b'{"prompt": "a red fox in the snow"}'), spec)
+    req = got.request
+    count = spec.deployment.count_tokens
+    assert got.shape.text_tokens == (count(req.prompt), count(req.negative_prompt))
+    assert got.shape.text_tokens[0] != admission.byte_tokens(req.prompt)  # BPE, not bytes
+    want = estimate_memory(spec.model_config, got.shape, spec.parallel, req.torch_dtype,
+                           (req.num_frames, req.height, req.width), req.audio_samples(44100))
+    assert got.estimate == want
+
+
+def test_integer_check_has_one_home():
+    """`config.is_int` / `is_number`: no inline ``isinstance(x, bool) or not isinstance(x,
+    int)`` is left in the source, and the sampler's schedule refuses ``shift=True`` (the
+    inline copy there once took it)."""
+    import re
+    from pathlib import Path
+
+    from headmoe.pipeline.sampler import released_schedule
+
+    src = Path(admission.__file__).parent
+    inline = re.compile(r"isinstance\([^)]*, bool\) or not isinstance")
+    assert [str(p) for p in src.rglob("*.py") if inline.search(p.read_text())] == []
+    with pytest.raises(ValueError, match="shift must be a positive number, got True"):
+        released_schedule(8, True)
+
+
+def test_one_rank_serve_runs_where_generate_runs(monkeypatch, tmp_path):
+    """`serve --nproc 1` takes its device from `rank_device`, as generate's one rank: CUDA
+    where it is available (read through the function, no GPU here)."""
+    import signal
+    from types import SimpleNamespace
+
+    import headmoe.serve.worker as worker
+    from headmoe.config import ParallelConfig
+    from headmoe.distributed import context
+    from headmoe.serve.spec import ServeSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert context.rank_device() == torch.device("cuda", 0)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def single(parallel, device=None):
+        seen.append(device)
+        raise Stop
+
+    monkeypatch.setattr(worker.ParallelContext, "single", single)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    spec = ServeSpec(ParallelConfig(), SimpleNamespace(name="fake"), "", "tiny", "fp32",
+                     str(tmp_path), port=0)
+    with pytest.raises(Stop):
+        worker.serve_rank(spec, 0, 1, None)
+    assert seen == [torch.device("cuda", 0)]

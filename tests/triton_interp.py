@@ -33,6 +33,7 @@ KERNELS = (
     ("headmoe.moe.triton_moe_kernels", "route_kernel"),
     ("headmoe.layers.triton_attention_kernels", "sink_attention_kernel"),
     ("headmoe.layers.triton_range_attention_kernels", "range_attention_kernel"),
+    ("headmoe.layers.triton_dense_kernels", "matmul_kernel"),
 )
 MISSING = (
     "triton is not installed: the tests marked 'triton' need it (pip install -e '.[dev]'); "

@@ -2,5 +2,23 @@
 
 from headmoe.config import ParallelConfig
 
-__all__ = ["ParallelConfig", "__version__"]
+__all__ = ["MIN_TORCH", "ParallelConfig", "__version__", "check_torch"]
 __version__ = "0.1.0"
+#: the oldest torch headmoe runs on (pyproject.toml's requirement; transformers 5.24's
+#: minimum, and the first torch whose ``torch.load(weights_only=True)`` allowlist and
+#: ``mmap`` read the release's ``checkpoint.ckpt``)
+MIN_TORCH = "2.6"
+
+
+def check_torch(version: str | None = None) -> None:
+    """Raise `headmoe.errors.UserError` when torch ``version`` (default: the installed one)
+    is older than `MIN_TORCH`."""
+    import torch
+
+    from headmoe.errors import UserError
+
+    version = version or torch.__version__
+    have = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    if have < tuple(int(p) for p in MIN_TORCH.split(".")):
+        raise UserError(f"torch {version} is older than {MIN_TORCH}, the oldest headmoe runs "
+                        f"on; install torch>={MIN_TORCH} (the README's set-up command)")

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from headmoe.config import ParallelConfig, is_number
+from headmoe.config import GIB, ParallelConfig, is_number
 from headmoe.errors import Refusal
 from headmoe.pipeline.recipe import (
     RELEASED_SECONDS,
@@ -54,7 +54,7 @@ from headmoe.pipeline.request import (
     show,
 )
 from headmoe.pipeline.seeding import SEED_LIMIT
-from headmoe.planner.memory import GIB, MemoryEstimate, estimate_memory, memory_limit
+from headmoe.planner.memory import MemoryEstimate, estimate_memory, memory_limit
 from headmoe.planner.request import RequestShape
 from headmoe.release import audio_vae, video_latents
 
@@ -292,26 +292,32 @@ def byte_tokens(text: str) -> int:
 
 
 def request_shape(req: GenerateRequest, count_tokens: Callable[[str], int] | None,
-                  ) -> RequestShape:
-    """The per-branch token counts of ``req`` (text counted by ``count_tokens``)."""
+                  image: bool = False) -> RequestShape:
+    """The per-branch token counts of ``req`` (text counted by ``count_tokens``; with an
+    ``image``, the most rows any reference image adds at this size)."""
+    from headmoe.models.magi2.packing import image_rows
+    from headmoe.pipeline.image import max_latent_size
+
     count = count_tokens or byte_tokens
     latent = check_geometry(req.num_frames, req.height, req.width)
     audio = audio_vae.audio_latent_length(req.duration_s)
-    return RequestShape(latent, audio, (count(req.prompt), count(req.negative_prompt)))
+    rows = image_rows(*max_latent_size(req.height, req.width)) if image else 0
+    return RequestShape(latent, audio, (count(req.prompt), count(req.negative_prompt)), rows)
 
 
 def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG,
-          fixed: Mapping[str, Any] | None = None) -> Admitted:
+          fixed: Mapping[str, Any] | None = None, image: bool = False) -> Admitted:
     """The checked, resolved request of ``given`` (field -> value; fields left out take the
     model's recipe) on ``dep``, or `Refusal` (module docstring: what is checked, in order).
-    ``fixed``: fields the deployment sets for every request (a server's dtype)."""
+    ``fixed``: fields the deployment sets for every request (a server's dtype); ``image``:
+    an image-to-video request (its image rows count in the memory estimate)."""
     if "prompt" not in given:
         raise Refusal("prompt", None, "prompt is required")
     values, sources, notes = resolve(given, dep.recipe, dep.device, origin)
     for name, value in (fixed or {}).items():
         values[name], sources[name] = check_field(name, value), DEPLOYMENT
     req = GenerateRequest(**values)
-    shape = request_shape(req, dep.count_tokens)
+    shape = request_shape(req, dep.count_tokens, image)
     samples = req.audio_samples(audio_vae.OUTPUT_SAMPLE_RATE)
     check_seed(req.seed, dep.parallel.data_parallel_size)
     if req.noise_device == "cuda" and dep.device != "cuda":

@@ -12,6 +12,15 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
+import torch
+
+#: the transformer dtypes headmoe runs, by name: the one dtype table (the MoE layer, the
+#: models, the public schema's spellings and the request all take theirs from it)
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+#: bytes in a GiB and a MiB (the units of every memory figure headmoe prints)
+GIB, MIB = 1 << 30, 1 << 20
+
 MoEExchange = Literal["auto", "ep_group", "sp_group"]
 MOE_EXCHANGES: tuple[str, ...] = ("auto", "ep_group", "sp_group")
 

@@ -44,7 +44,10 @@ HEADMOE = str(Path(sys.executable).with_name("headmoe"))
         (["--num-inference-steps", "0"], "--num-inference-steps=0 must be an integer in [1, 1000]"),
         (["--output", "x.avi"], "--output must end in .mp4"),
         (["--model", "nowhere.safetensors"], "--model must be 'tiny', a release folder or an existing"),
-        (["--timeout", "0"], "--timeout must be > 0"),
+        (["--timeout", "0"], "--timeout must be at least 1 s"),
+        (["--timeout", "0.001"], "--timeout must be at least 1 s (it also bounds joining the "
+                                 "ranks), got 0.001"),
+        (["--timeout", "nan"], "--timeout must be at least 1 s"),
     ],
 )
 def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, monkeypatch):

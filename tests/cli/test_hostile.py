@@ -135,6 +135,27 @@ def test_exactly_one_prompt_source(prompt, pattern, tmp_path, cache, capsys):
                    pattern + r", see 'headmoe generate --help'$")
 
 
+@pytest.mark.parametrize("source", ["/dev/zero", "big"])
+def test_prompt_file_size_is_capped(source, tmp_path, cache, capsys):
+    """`--prompt-file /dev/zero` and a 50 MB file are refused after reading at most the cap
+    (4 bytes per character of the 100,000-character limit), not read whole."""
+    path = source
+    if source == "big":
+        path = tmp_path / "big.txt"
+        with open(path, "wb") as f:
+            f.truncate(50 << 20)  # sparse: 50 MB of NUL bytes
+    code, out = generate(tmp_path, cache, prompt=("--prompt-file", str(path)))
+    assert_refused(capsys, code, out, r"--prompt-file '.*' is over 400,000 bytes \(a prompt "
+                                      r"may have 100,000 characters\)")
+
+
+def test_prompt_over_the_character_limit(tmp_path, cache, capsys):
+    (tmp_path / "p.txt").write_text("é" * 100_001, encoding="utf-8")
+    code, out = generate(tmp_path, cache, prompt=("--prompt-file", str(tmp_path / "p.txt")))
+    assert_refused(capsys, code, out, r"prompt has 100,001 characters, more than the limit of "
+                                      r"100,000")
+
+
 def test_long_prompt_file_is_read_whole(tmp_path, cache, no_ranks):
     text = "a red fox running through deep snow at dusk, " * 40
     (tmp_path / "p.txt").write_text(text + "\n", encoding="utf-8")
@@ -354,11 +375,21 @@ def test_broken_pipe_exits_quietly(tmp_path):
 
 
 # ---------------------------------------------------------------------- plan and compare
-@pytest.mark.parametrize("world, pattern", [("0", r"--world-size must be a positive number of "
-                                                  r"ranks, got 0, e.g. --world-size 8"),
-                                            ("-2", r"--world-size .* got -2")])
-def test_plan_world_size_validated(world, pattern, capsys):
-    assert main(["plan", "--world-size", world]) == 2
+@pytest.mark.parametrize("flags, pattern", [
+    (["--world-size", "0"], r"--world-size must be a positive number of ranks, at most 4,096, "
+                            r"got 0, e.g. --world-size 8"),
+    (["--world-size", "-2"], r"--world-size .* got -2"),
+    (["--world-size", "1000000"], r"--world-size .* at most 4,096, got 1000000"),  # answers
+    (["--world-size", "8", "--memory-gib", "-1"], r"--memory-gib must be a number of GiB in "
+                                                  r"\[0, 1,048,576\] \(0: no limit\), got -1.0"),
+    (["--world-size", "8", "--memory-gib", "nan"], r"--memory-gib .* got nan"),
+    (["--world-size", "8", "--num-frames", "14"], r"--num-frames=14 must be of the form 4k\+1"),
+    (["--world-size", "8", "--height", "16" + "0" * 200], r"--height=16000.* must be an "
+                                                          r"integer in \[1, 4096\]"),
+    (["--world-size", "8", "--text-tokens", "7001"], r"--text-tokens must be in \[1, 7000\]"),
+])
+def test_plan_flags_validated(flags, pattern, capsys):
+    assert main(["plan", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.match(r"headmoe: error: " + pattern, err[0]), err
 

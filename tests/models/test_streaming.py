@@ -159,3 +159,45 @@ def test_bad_settings_are_refused_before_allocating(ckpt):
         stream_layers(CFG, ParallelContext.single(), torch.bfloat16, ckpt, resident_layers=6)
     with pytest.raises(ValueError, match="slots .* must be an int >= 1, got 0"):
         stream_layers(CFG, ParallelContext.single(), torch.bfloat16, ckpt, slots=0)
+
+
+def test_refiner_layers_stream_through_the_same_streamer(tmp_path):
+    """The refiner's loop calls a layer's parts, not the layer: `present` binds it. Same
+    bits as the resident refiner, at most K layers filled, one bound at a time."""
+    from headmoe.models.refiner import (
+        Magi2Refiner,
+        get_refiner_config,
+        load_refiner,
+        write_random_refiner,
+    )
+    from headmoe.models.refiner.loading import stream_refiner
+
+    cfg = get_refiner_config("tiny-refiner")
+    path = tmp_path / "refiner.safetensors"
+    write_random_refiner(cfg, path, seed=3)
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(cfg.video_in_channels, 2, 4, 6, generator=g)
+    text = torch.randn(5, cfg.text_in_channels, generator=g)
+    resident = Magi2Refiner(cfg, dtype=torch.bfloat16)
+    load_refiner(resident, path)
+    want = resident(video, text)
+    model, streamer = stream_refiner(cfg, ParallelContext.single(), torch.bfloat16, path,
+                                     resident_layers=1, slots=2)
+    layers, seen = model.block.layers, []
+
+    def check(module, args):
+        bound = [i for i in range(1, cfg.num_layers)
+                 if not any(_meta(t) for t in layers[i].parameters())]
+        seen.append((len(bound), len(streamer.materialised())))
+
+    for layer in layers:
+        layer.attention.register_forward_pre_hook(check)
+    try:
+        for _ in range(2):
+            assert torch.equal(model(video, text), want)
+        assert len(seen) == 2 * cfg.num_layers
+        assert max(b for b, _ in seen) == 1 and max(f for _, f in seen) <= 2
+        moved = sum(p.moved for p in streamer.order)
+        assert sum(model.context.counters.streamed_bytes[-(cfg.num_layers - 1):]) == moved
+    finally:
+        streamer.close()

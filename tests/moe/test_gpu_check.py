@@ -38,6 +38,7 @@ def test_dry_run_passes_every_check_and_writes_the_report(tmp_path, interpreted)
     assert any("_grouped_mm" in r[1] for r in rows) and any("kernel:" in r[1] for r in rows)
     assert any("SDPA flash" in r[1] for r in rows) and any("SDPA cuDNN" in r[1] for r in rows)
     assert any(r[0] == "0" and "shared=" in r[3] and "/232,448" in r[3] for r in rows)
+    assert sum(r[0] == "f" and "streamed output == resident output" in r[1] for r in checks) == 2
 
 
 def test_a_failing_section_leaves_a_complete_report(tmp_path, interpreted, capsys):  # noqa: F811
@@ -52,9 +53,9 @@ def test_a_failing_section_leaves_a_complete_report(tmp_path, interpreted, capsy
     assert set(status) == set(gpu_check.SECTIONS)
     for s in ("0", "a", "c"):
         assert status[s].startswith("FAILED: RuntimeError: injected failure in section " + s)
-    for s in ("b", "d", "e"):
+    for s in ("b", "d", "e", "f"):
         assert status[s].startswith("ok ("), status
-    assert {r[0] for r in rows} == {"b", "d", "e"}
+    assert {r[0] for r in rows} == {"b", "d", "e", "f"}
     assert "section c: FAILED" in capsys.readouterr().err
 
 

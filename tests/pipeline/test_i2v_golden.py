@@ -17,15 +17,15 @@ from headmoe.pipeline import i2v as figure
 from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.job import GenerateJob, denoise, draw_noise
 from headmoe.pipeline.request import GenerateRequest
-from headmoe.pipeline.sampler import cfg_combine
 from headmoe.release import wan_vae as wv
 from headmoe.release.components import Magi2Denoiser
-from tests.models.golden import golden_config, golden_weights, max_abs
+from tests.models.golden import golden_config, golden_weights
 from tests.pipeline.goldens import golden_file
+from tests.pipeline.released_loop import Recorder, check_loop, video
 
 NAME = "magi2_pipeline"
-#: MAGI2 pipeline README tolerances
-LATENT_TOL, PRED_TOL, LOOP_TOL = 1e-4, 2e-5, 1e-3
+#: MAGI2 pipeline README tolerance (d); (b)'s are `released_loop`'s
+LATENT_TOL = 1e-4
 
 
 def _json(rel: str) -> dict:
@@ -115,23 +115,6 @@ def test_pool_figure_token_bitwise(case):
 STEPS = 3
 
 
-def _video(x: torch.Tensor) -> torch.Tensor:
-    """Golden ``[C, T, H, W]`` -> headmoe ``[T, H, W, C]``."""
-    return x.permute(1, 2, 3, 0).contiguous()
-
-
-class _Recorder:
-    """`Denoiser` that records each call's branches and outputs."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-
-    def __call__(self, branches):
-        out = self.inner(branches)
-        self.calls.append((list(branches), out))
-        return out
-
-
 @pytest.fixture(scope="module")
 def i2v_run(single_thread):
     """``denoise_i2v`` through headmoe's `draw_noise`, `denoise` (released sampler), packing
@@ -141,13 +124,13 @@ def i2v_run(single_thread):
     seed = _json("cases.json")["denoise"]["i2v"]["make_denoise_inputs"]["seed"]
     model = Magi2Transformer(golden_config(), dtype=torch.float32)
     load_checkpoint(model, golden_weights())
-    rec = _Recorder(Magi2Denoiser(model.eval()))
+    rec = Recorder(Magi2Denoiser(model.eval()))
     req = GenerateRequest(prompt="golden", num_inference_steps=STEPS, shift=7.0, seed=seed,
                           guidance_scale=5.0, audio_guidance_scale=7.0)
     _, _, t, h, w = d["in.video_noise"].shape
     parts = Components(rec, None, _Shapes((t, h, w), 48), _Shapes(d["in.audio_noise"].shape[1], 64))
     noise = draw_noise(ParallelContext.single(), req, parts)
-    cond = figure.ImageCondition(_video(d["in.ref_image_feat"][0, 0])[0],
+    cond = figure.ImageCondition(video(d["in.ref_image_feat"][0, 0])[0],
                                  d["in.ref_image_special_token"][0, 0])
     job = GenerateJob(req, None, None, "", None, progress=False)
     texts = [d["in.txt_feat"][0], d["in.null_txt_feat"][0]]
@@ -170,7 +153,7 @@ class _Shapes:
 
 def test_i2v_noise_and_step0_packed_bitwise(i2v_run):
     d, calls, _, noise = i2v_run
-    assert torch.equal(noise.video, _video(d["in.video_noise"][0]))
+    assert torch.equal(noise.video, video(d["in.video_noise"][0]))
     assert torch.equal(noise.audio, d["in.audio_noise"][0])
     packed = pack_branches(calls[0][0], golden_config())
     for key in ("x", "coords", "modality", "cu_seqlens", "time_tokens"):
@@ -182,22 +165,7 @@ def test_i2v_noise_and_step0_packed_bitwise(i2v_run):
 
 def test_i2v_predictions_guidance_and_latents(i2v_run):
     d, calls, final, _ = i2v_run
-    assert len(calls) == STEPS
-    for i, (_, preds) in enumerate(calls):
-        tol = PRED_TOL if i == 0 else LOOP_TOL
-        for b, (pv, pa) in enumerate(preds):  # row 0 cond, row 1 uncond
-            assert max_abs(pv, _video(d[f"step{i}.pred.video"][b])) <= tol, (i, b)
-            assert max_abs(pa, d[f"step{i}.pred.audio"][b]) <= tol, (i, b)
-        (vc, ac), (vu, au) = preds
-        assert max_abs(cfg_combine(vc, vu, 5.0), _video(d[f"step{i}.cfg.video"][0])) <= LOOP_TOL
-        assert max_abs(cfg_combine(ac, au, 7.0), d[f"step{i}.cfg.audio"][0]) <= LOOP_TOL
-        if i + 1 < STEPS:  # the latents after step i are what step i + 1 feeds the model
-            nxt = calls[i + 1][0][0]
-            assert max_abs(nxt.video, _video(d[f"step{i}.latent.video"][0])) <= LOOP_TOL
-            assert max_abs(nxt.audio, d[f"step{i}.latent.audio"][0]) <= LOOP_TOL
-    xv, xa = final
-    assert max_abs(xv, _video(d["out.video"][0])) <= LOOP_TOL
-    assert max_abs(xa, d["out.audio"][0]) <= LOOP_TOL
+    check_loop(d, calls, final, STEPS)
 
 
 def test_image_rows_validated():

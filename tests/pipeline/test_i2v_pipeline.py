@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,8 +24,8 @@ from headmoe.pipeline.request import GenerateRequest
 from headmoe.release import folder as release
 from headmoe.release import placement
 from tests.pipeline.goldens import golden_file
+from tests.pipeline.test_release import _generate as release_generate
 
-HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 PROMPT = "a red fox running through snow at dusk"
 REQUEST = ["--height", "64", "--width", "96", "--num-frames", "5", "--num-inference-steps", "2",
            "--prompt", PROMPT, "--no-progress"]
@@ -158,14 +155,28 @@ def test_bad_images_refused_before_any_rank(folder, tmp_path, capsys, monkeypatc
     assert "--image needs a release folder with vae/" in err
 
 
+def test_animated_image_names_the_frame_used(folder, tmp_path, capsys):
+    """generate's checks (no rank starts in `build_job`) say which frame is used."""
+    import argparse
+
+    from PIL import Image
+
+    frames = [Image.new("RGB", (40, 24), c) for c in ((255, 0, 0), (0, 0, 255))]
+    path = tmp_path / "anim.png"
+    frames[0].save(path, "PNG", save_all=True, append_images=frames[1:])
+    parser = argparse.ArgumentParser()
+    generate_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--model", str(folder), "--image", str(path),
+                              "--output", str(tmp_path / "a.mp4"), *REQUEST])
+    job, _ = generate_cli.build_job(args)
+    assert job.image.frames == 2 and job.image.pixels_uint8()[0, 0].tolist() == [255, 0, 0]
+    assert "is animated (2 frames); its first frame is used" in capsys.readouterr().err
+
+
 def _generate(folder: Path, out: Path, nproc: int, *flags: str) -> dict:
-    layout = ["--ulysses-degree", str(nproc)] if nproc > 1 else []
-    cmd = [HEADMOE, "generate", "--model", str(folder), "--nproc", str(nproc), *layout,
-           "--output", str(out), "--timeout", "120", "--image", str(_image_path()),
-           *REQUEST, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(out.with_suffix(".json").read_text())
+    """`test_release._generate` (a subprocess run) of `REQUEST` with the image."""
+    return release_generate(folder, out, nproc, "--image", str(_image_path()), *REQUEST,
+                            *flags)
 
 
 @pytest.mark.multirank
@@ -182,3 +193,29 @@ def test_one_and_four_ranks_write_the_same_bytes(folder, tmp_path):
         one["image"]["height"], one["image"]["width"])
     assert four["image"]["prompt"] == i2v.ensure_figure_token(PROMPT)
     assert four["model"]["image_encoder"] == str(folder / "vae")
+
+
+def test_memory_counts_the_image(folder):
+    """The planner's encoder bytes equal the loaded encoder's; it sits on rank 0 only; the
+    admission's image rows bound every image's rows at the request size."""
+    from headmoe.admission import request_shape
+    from headmoe.config import ParallelConfig as PC
+    from headmoe.distributed.topology import plan_topology
+    from headmoe.models.magi2.packing import image_rows
+    from headmoe.planner.components import component_bytes, component_bytes_per_rank
+    from headmoe.release import wan_vae
+
+    parts = component_bytes("tiny", image=True)
+    vae = wan_vae.load_wan_encoder(folder / "vae")
+    assert parts.image_encoder == sum(p.numel() * 4 for p in vae.parameters())
+    assert component_bytes("tiny").image_encoder == 0
+    topo = plan_topology(4, PC(ulysses_degree=4))
+    held = component_bytes_per_rank(topo, parts, 4)
+    t2v = component_bytes_per_rank(topo, component_bytes("tiny"), 4)
+    assert [a - b for a, b in zip(held, t2v)] == [parts.image_encoder, 0, 0, 0]
+    req = GenerateRequest(prompt=PROMPT, height=64, width=96, num_frames=5)
+    bound = request_shape(req, None, image=True).image_tokens
+    assert request_shape(req, None).image_tokens == 0 and bound == image_rows(6, 6)
+    for name in ("landscape_37x23", "portrait_20x50"):
+        ref = prepare_image(_image_path(name).read_bytes(), 64, 96)
+        assert image_rows(*ref.latent_size) <= bound

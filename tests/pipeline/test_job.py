@@ -160,9 +160,10 @@ def test_audio_samples_of_a_clip():
     assert GenerateRequest(prompt="x", num_frames=1, fps=120.0).audio_samples(44100) == 368
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), True, "60"])
+@pytest.mark.parametrize("timeout", [0, -1.0, 0.001, float("inf"), True, "60"])
 def test_job_rejects_bad_timeout(timeout):
-    with pytest.raises(ValueError, match=f"timeout_s must be a positive finite .* got {timeout!r}"):
+    with pytest.raises(ValueError, match=f"timeout.* (must be a positive finite number|must be "
+                                         rf"at least 1 s .*), got {timeout!r}"):
         GenerateJob(REQ, ParallelConfig(), None, "", None, timeout_s=timeout)
 
 

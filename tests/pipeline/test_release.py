@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import headmoe.cli.generate as generate_cli
-from headmoe.cli.main import main
+from headmoe.cli.main import build_parser, main
 from headmoe.distributed import ParallelContext
 from headmoe.models.magi2 import Magi2Config, get_config
 from headmoe.pipeline.media import read_mp4
@@ -371,3 +371,32 @@ def test_text_features_reach_every_rank_of_each_node(folder):
         expect = ("ValueError: encoder exploded" if rank in (0, 2) else
                   f"RuntimeError: the text encoder failed on rank {rank // 2 * 2}")
         assert r["error"].startswith(expect), r["error"]
+
+
+def test_unused_component_entries_are_recorded_not_refused(copy, tmp_path, capsys):
+    """Extra keys in the TurboV3 and stable-audio JSON and training-only state in
+    checkpoint.ckpt: the reference ignores them; headmoe warns and records them."""
+    from headmoe.release import audio_vae, turbo_vae
+
+    turbo = copy / "turbo_vae"
+    data = json.loads((turbo / turbo_vae.CONFIG_FILE).read_text())
+    _replace(turbo / turbo_vae.CONFIG_FILE,
+             lambda p: Path(p).write_text(json.dumps({**data, "ema_decay": 0.999})))
+    ckpt = torch.load(turbo / turbo_vae.CHECKPOINT_FILE, weights_only=True)
+    _replace(turbo / turbo_vae.CHECKPOINT_FILE,
+             lambda p: torch.save({**ckpt, "optimizer_step": torch.tensor(7)}, p))
+    audio = copy / "stable-audio-open-1.0" / audio_vae.CONFIG_FILE
+    cfg = json.loads(audio.read_text())
+    cfg["model"]["pretransform"]["config"]["decoder"]["config"]["dropout"] = 0.0
+    _replace(audio, lambda p: Path(p).write_text(json.dumps(cfg)))
+    args = build_parser().parse_args(["generate", "--model", str(copy), "--prompt", "x",
+                                      "--output", str(tmp_path / "o.mp4")])
+    job, _ = generate_cli.build_job(args)
+    unused = job.release.describe()["unused_entries"]
+    assert f"turbo_vae/{turbo_vae.CONFIG_FILE}: aligned_blks_indices, " \
+        "aligned_feature_projection_dim, aligned_feature_projection_mode, ema_decay" in unused
+    assert any(e.startswith(f"turbo_vae/{turbo_vae.CHECKPOINT_FILE}: optimizer_step")
+               for e in unused), unused
+    assert f"stable-audio-open-1.0/{audio_vae.CONFIG_FILE} decoder config: dropout" in unused
+    err = capsys.readouterr().err
+    assert "headmoe: warning: entries headmoe does not use" in err and "ema_decay" in err

@@ -16,20 +16,13 @@ from headmoe.models.magi2 import Magi2Transformer, load_checkpoint, pack_branche
 from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.job import GenerateJob, Noise, denoise, draw_noise
 from headmoe.pipeline.request import GenerateRequest
-from headmoe.pipeline.sampler import cfg_combine
 from headmoe.release.components import Magi2Denoiser
 from tests.goldens import golden_file
-from tests.models.golden import golden_config, golden_weights, max_abs
+from tests.models.golden import golden_config, golden_weights
+from tests.pipeline.released_loop import Recorder, check_loop, video
 
 CASES = ("t2v_a", "t2v_b")
 STEPS = 3
-#: README (b) tolerances
-STEP0_PRED_TOL, LOOP_TOL = 2e-5, 1e-3
-
-
-def _video(x: torch.Tensor) -> torch.Tensor:
-    """Golden ``[C, T, H, W]`` -> headmoe ``[T, H, W, C]``."""
-    return x.permute(1, 2, 3, 0).contiguous()
 
 
 def _load(case: str) -> tuple[dict[str, torch.Tensor], int]:
@@ -55,18 +48,6 @@ class _Shapes:
         return self.audio_len
 
 
-class _Recorder:
-    """`Denoiser` that records each call's branches and outputs."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-
-    def __call__(self, branches):
-        out = self.inner(branches)
-        self.calls.append((list(branches), out))
-        return out
-
-
 @pytest.fixture(scope="module")
 def model():
     m = Magi2Transformer(golden_config(), dtype=torch.float32)
@@ -87,7 +68,7 @@ def test_noise_is_the_released_draw(case):
     audio = _Shapes((t, h, w), shapes.audio_len, latent_channels=64)
     parts = Components(None, None, shapes, audio)
     noise = draw_noise(ParallelContext.single(), _request(seed), parts)
-    assert torch.equal(noise.video, _video(d["in.video_noise"][0]))
+    assert torch.equal(noise.video, video(d["in.video_noise"][0]))
     assert torch.equal(noise.audio, d["in.audio_noise"][0])
 
 
@@ -95,10 +76,10 @@ def test_noise_is_the_released_draw(case):
 def run(request, model):
     """One golden case through `denoise`: (golden tensors, recorded calls, final latents)."""
     d, seed = _load(request.param)
-    rec = _Recorder(Magi2Denoiser(model))
+    rec = Recorder(Magi2Denoiser(model))
     parts = Components(rec, None, None, None)
     job = GenerateJob(_request(seed), None, None, "", None, progress=False)
-    noise = Noise(seed, _video(d["in.video_noise"][0]), d["in.audio_noise"][0].clone(), 1)
+    noise = Noise(seed, video(d["in.video_noise"][0]), d["in.audio_noise"][0].clone(), 1)
     texts = [d["in.txt_feat"][0], d["in.null_txt_feat"][0]]
     xv, xa, _ = denoise(ParallelContext.single(), job, parts, noise, texts)
     return d, rec.calls, (xv, xa)
@@ -126,19 +107,4 @@ def test_model_time_is_the_integer_timestep(run):
 
 def test_predictions_guidance_and_latents_per_step(run):
     d, calls, final = run
-    assert len(calls) == STEPS
-    for i, (_, preds) in enumerate(calls):
-        tol = STEP0_PRED_TOL if i == 0 else LOOP_TOL
-        for b, (pv, pa) in enumerate(preds):  # row 0 cond, row 1 uncond
-            assert max_abs(pv, _video(d[f"step{i}.pred.video"][b])) <= tol, (i, b)
-            assert max_abs(pa, d[f"step{i}.pred.audio"][b]) <= tol, (i, b)
-        (vc, ac), (vu, au) = preds
-        assert max_abs(cfg_combine(vc, vu, 5.0), _video(d[f"step{i}.cfg.video"][0])) <= LOOP_TOL
-        assert max_abs(cfg_combine(ac, au, 7.0), d[f"step{i}.cfg.audio"][0]) <= LOOP_TOL
-        if i + 1 < STEPS:  # the latents after step i are what step i + 1 feeds the model
-            nxt = calls[i + 1][0][0]
-            assert max_abs(nxt.video, _video(d[f"step{i}.latent.video"][0])) <= LOOP_TOL
-            assert max_abs(nxt.audio, d[f"step{i}.latent.audio"][0]) <= LOOP_TOL
-    xv, xa = final
-    assert max_abs(xv, _video(d["out.video"][0])) <= LOOP_TOL
-    assert max_abs(xa, d["out.audio"][0]) <= LOOP_TOL
+    check_loop(d, calls, final, STEPS)

@@ -85,8 +85,8 @@ def test_tiny_config_is_released_but_widths():
     assert cfg == tv.TurboVAEConfig(
         **{**released.__dict__, "decoder_block_out_channels": (8, 16, 24, 32)}
     )
-    with pytest.raises(ValueError, match="unknown TurboV3 config keys: bogus"):
-        tv.TurboVAEConfig.from_dict({**data, "bogus": 1})
+    assert tv.TurboVAEConfig.from_dict({**data, "bogus": 1}) == cfg  # ignored, as the reference
+    assert tv.TurboVAEConfig.unused_keys({**data, "bogus": 1}) == ["bogus"]
     with pytest.raises(ValueError, match="decoder_causal"):
         tv.TurboVAEConfig.from_dict({**data, "decoder_causal": True})
 
@@ -110,6 +110,10 @@ def test_checkpoint_folder_layout_loads(tmp_path, tiny_model):
     }
     folder = _release_folder(tmp_path, {**state, **heads}, {"step": torch.tensor(3)})
     model = tv.load_turbo_vae(folder, dtype=torch.bfloat16)
+    # training-only state is not used (as by the reference) and reported, not refused
+    assert tv.unused_entries(folder) == [
+        f"{tv.CONFIG_FILE}: aligned_blks_indices, aligned_feature_projection_mode",
+        f"{tv.CHECKPOINT_FILE}: step, " + ", ".join(heads)]
     assert next(model.parameters()).dtype == torch.bfloat16
     for k, v in tiny_model.state_dict().items():
         assert torch.equal(model.state_dict()[k], v.to(torch.bfloat16)), k
@@ -122,9 +126,9 @@ def test_checkpoint_problems_named(tmp_path):
     with pytest.raises(ValueError, match="module.decoder.extra.weight"):
         tv.load_turbo_vae(_release_folder(tmp_path, bad))
     bad = dict(state)
-    bad["module.encoder.conv.weight"] = torch.zeros(1)
-    with pytest.raises(ValueError, match=r"not decoder tensors\): module.encoder.conv.weight"):
-        tv.load_turbo_vae(_release_folder(tmp_path, bad))
+    bad["module.encoder.conv.weight"] = torch.zeros(1)  # not the decoder's: not used
+    tv.load_turbo_vae(_release_folder(tmp_path, bad))
+    assert tv.unused_entries(tmp_path)[-1] == f"{tv.CHECKPOINT_FILE}: module.encoder.conv.weight"
     bad = dict(state)
     del bad["module.decoder.conv_out.conv.bias"]
     bad["module.decoder.conv_in.conv.bias"] = torch.zeros(5)

@@ -1,5 +1,6 @@
 import pytest
 
+from tests.goldens import golden_file
 from tests.serve.server import REQUEST, generate_hashes
 
 
@@ -13,3 +14,14 @@ def tiny_cache(tmp_path_factory):
 def reference(tmp_path_factory, tiny_cache):
     """``headmoe generate``'s (video_sha256, audio_sha256) of `REQUEST`."""
     return generate_hashes(tmp_path_factory.mktemp("generate"), tiny_cache, REQUEST)
+
+
+#: the image of the image-to-video requests (a golden test image; 37 x 23 RGB PNG)
+I2V_IMAGE = golden_file("magi2_pipeline", "images/landscape_37x23.png")
+
+
+@pytest.fixture(scope="session")
+def i2v_reference(tmp_path_factory, tiny_cache):
+    """``headmoe generate --image I2V_IMAGE``'s (video_sha256, audio_sha256) of `REQUEST`."""
+    return generate_hashes(tmp_path_factory.mktemp("generate-i2v"), tiny_cache,
+                           {**REQUEST, "image": str(I2V_IMAGE)})

@@ -8,6 +8,7 @@ import time
 import httpx
 import pytest
 
+from tests.serve.conftest import I2V_IMAGE
 from tests.serve.server import REQUEST, Server, finished, wait_for
 
 LAYOUT = ["--nproc", "4", "--ulysses-degree", "4", "--enable-expert-parallel",
@@ -38,6 +39,16 @@ def test_four_ranks_give_generates_hashes_without_a_key(server, client, referenc
     body = client.get(f"/v1/videos/{job['id']}/content")
     assert body.status_code == 200
     assert body.content == (server.output_dir / f"{job['id']}.mp4").read_bytes()
+
+
+def test_four_ranks_image_to_video_give_generates_hashes(client, i2v_reference):
+    """Rank 0 holds the uploaded image and encodes it; every rank gets the latent."""
+    form = {k: v if isinstance(v, str) else str(v) for k, v in REQUEST.items()}
+    job = client.post("/v1/videos", data=form, files={
+        "input_reference": ("fox.png", I2V_IMAGE.read_bytes(), "image/png")}).json()
+    done = wait_for(client, job["id"], finished)
+    assert done["status"] == "completed", done
+    assert (done["video_sha256"], done["audio_sha256"]) == i2v_reference
 
 
 def test_cancel_in_progress_stops_every_rank_at_one_step(server, client, reference):

@@ -33,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace an existing --output file (default: refuse)")
     add_memory_flag(p)
     p.add_argument("--check-weights", action="store_true",
-                   help="read every tensor of the transformer checkpoint (and of a release's "
-                   "video and audio decoders) first and refuse NaN/Inf values")
+                   help="read every tensor of the transformer checkpoint (and of a release's text "
+                   "encoder and video and audio decoders) first and refuse NaN/Inf values")
 
 
 def add_memory_flag(p: argparse.ArgumentParser, *aliases: str) -> None:
@@ -176,22 +176,25 @@ def _tensors(obj: Any, name: str = "") -> Any:
         yield name, obj
 
 
-def decoder_files(release: Any) -> list[str]:
-    """The weight files of the release's chosen video decoder and its audio decoder."""
-    from headmoe.release import audio_vae, turbo_vae, wan_vae
+def component_files(release: Any) -> list[str]:
+    """The weight files of the release's text encoder, chosen video decoder and audio
+    decoder (each checked to lie in its folder)."""
+    from headmoe.release import audio_vae, text_encoder, turbo_vae, wan_vae
 
     video = turbo_vae.CHECKPOINT_FILE if release.video_decoder == "turbo" else \
         wan_vae.CHECKPOINT_FILE
-    return [os.path.join(release.video_decoder_path, video),
+    text = sorted(set(text_encoder.weight_files(release.text_encoder).values()))
+    return [*text, os.path.join(release.video_decoder_path, video),
             os.path.join(release.audio_decoder, audio_vae.WEIGHTS_FILE)]
 
 
-def scan_decoders(release: Any) -> None:
-    """``--check-weights`` on a release folder: every tensor of the video and audio
-    decoders (read safely, `headmoe.release.weights.read_tensors`); NaN/Inf refused."""
+def scan_components(release: Any) -> None:
+    """``--check-weights`` on a release folder: every tensor of the text encoder and the
+    video and audio decoders (read safely, `headmoe.release.weights.read_tensors`);
+    NaN/Inf refused."""
     from headmoe.release.weights import read_tensors
 
-    for file in decoder_files(release):
+    for file in component_files(release):
         bad = [f"{name} ({kind})" for name, t in _tensors(read_tensors(file))
                if (kind := _nonfinite(t))]
-        _refuse_nonfinite(f"decoder checkpoint {file!r}", bad)
+        _refuse_nonfinite(f"component checkpoint {file!r}", bad)

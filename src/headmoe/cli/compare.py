@@ -31,13 +31,14 @@ from typing import Any
 
 from headmoe.cli.errors import run_guarded
 from headmoe.cli.generate import LAYOUT_FIELDS
-from headmoe.config import ParallelConfig
+from headmoe.config import MIB, ParallelConfig, is_int
 from headmoe.distributed.counters import Counters
 from headmoe.errors import RuntimeFault, UserError
 from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.layouts import layout_name, parse_layout
-from headmoe.planner.predict import forward_counters
+from headmoe.planner.memory import StreamSettings, streamed_counts
+from headmoe.planner.predict import forward_counters, layout_topology
 from headmoe.planner.request import RequestShape
 from headmoe.release.standins import ByteTextEncoder
 
@@ -51,7 +52,6 @@ OWN_DESTS = frozenset(
         "help",
     }
 )
-MIB = 1 << 20
 
 Runner = Callable[[list[str]], None]
 
@@ -118,26 +118,17 @@ def generate_flags(args: argparse.Namespace) -> list[str]:
 
 
 def layout_flags(parallel: ParallelConfig) -> list[str]:
-    """`generate` flags of a layout, `--nproc` included."""
-    flags = [
-        "--ulysses-degree",
-        str(parallel.ulysses_degree),
-        "--cfg-parallel-size",
-        str(parallel.cfg_parallel_size),
-        "--data-parallel-size",
-        str(parallel.data_parallel_size),
-        "--moe-exchange",
-        parallel.moe_exchange,
-        "--nproc",
-        str(parallel.world_size),
-    ]
-    if parallel.enable_expert_parallel:
-        flags += [
-            "--enable-expert-parallel",
-            "--expert-parallel-size",
-            str(parallel.expert_parallel_size),
-        ]
-    return flags
+    """`generate` flags of a layout, `--nproc` included: one flag per `ParallelConfig` field
+    (the layout flags are its fields, `LAYOUT_FIELDS`); a False switch and a None value are
+    left out."""
+    flags: list[str] = []
+    for name in LAYOUT_FIELDS:
+        value, flag = getattr(parallel, name), "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags + ["--nproc", str(parallel.world_size)]
 
 
 def run_order(num_layouts: int, repeat: int) -> list[tuple[int, int]]:
@@ -190,9 +181,15 @@ def predicted_summary(
         text = ByteTextEncoder(1)
         tokens = (len(text.tokenize(req["prompt"])), len(text.tokenize(req["negative_prompt"])))
     shape = RequestShape(tuple(side["latents"]["video"][:3]), side["latents"]["audio"][0], tokens)
-    one = forward_counters(get_config(name), shape, parallel, rank, DTYPES[req["dtype"]])
+    model, dtype = get_config(name), DTYPES[req["dtype"]]
+    one = forward_counters(model, shape, parallel, rank, dtype)
     steps = req["num_inference_steps"]
-    return Counters(one.moe_rows * steps, one.exchanges * steps).summary()
+    streamed = []
+    if side["layout"].get("offload_layers"):  # --offload-layers: the weight bytes moved
+        ep = layout_topology(model, parallel).coords(rank).ep
+        streamed = streamed_counts(model, parallel.resolved_expert_parallel_size(), ep, dtype,
+                                   StreamSettings(side["layout"]["resident_layers"]), steps)
+    return Counters(one.moe_rows * steps, one.exchanges * steps, streamed).summary()
 
 
 def summarize(
@@ -255,7 +252,7 @@ def compare(
     """Run every layout `repeat` times (interleaved) and return one row per layout.
     Layout names are validated before anything runs (`ValueError`)."""
     parallels = [parse_layout(n) for n in layouts]
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+    if not is_int(repeat) or repeat < 1:
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
     names = [layout_name(p) for p in parallels]
     if len(set(names)) != len(names):

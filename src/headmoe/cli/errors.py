@@ -37,14 +37,10 @@ _PLAIN = ("UserError", "RuntimeFault", "NonFiniteError", "RankUnresponsive", "Va
 
 
 def _launch_message(exc: BaseException) -> tuple[int, str]:
-    summaries = getattr(exc, "summaries", None) or getattr(exc, "failures", {})
-    # the root cause first: a rank killed by a signal, then one naming a hung peer, then the
-    # lowest rank (the others mostly report the broken collective)
-    def cause(r: int) -> tuple[bool, bool, int]:
-        text = summaries[r]
-        return ("killed by signal" not in text, "stopped responding" not in text, r)
+    from headmoe.distributed.launch import failure_order
 
-    ranks = sorted(summaries, key=cause)
+    summaries = getattr(exc, "summaries", None) or getattr(exc, "failures", {})
+    ranks = failure_order(summaries)  # the root cause first
     first = ranks[0]
     text = one_line(summaries[first])
     kind, _, rest = text.partition(": ")

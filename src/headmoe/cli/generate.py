@@ -35,14 +35,16 @@ from headmoe.admission import (
 from headmoe.cli import checks
 from headmoe.cli.plan import add_stream_arguments
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
+from headmoe.distributed.context import set_rank_threads
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import Refusal, UserError
+from headmoe.pipeline.job import MIN_TIMEOUT_S
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
-from headmoe.release.folder import VIDEO_DECODERS
+from headmoe.release.folder import RANDOM_WEIGHTS_NOTE, VIDEO_DECODERS
 
 #: the layout flags are the fields of `ParallelConfig` (dest = field name)
 LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ParallelConfig))
@@ -343,8 +345,9 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         check_given(given)  # every request field, before anything is written
         parallel = parallel_from_args(args)
         world = world_from_args(args, parallel)
-        if not args.timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {args.timeout!r}")
+        if not args.timeout >= MIN_TIMEOUT_S:  # NaN too
+            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
+                             f"joining the ranks), got {args.timeout!r}")
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
@@ -398,13 +401,6 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
                       stream_settings(args, model_config.num_layers))
 
 
-def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
-                   world: int) -> tuple[Admitted, Deployment, str, Any]:
-    """(admitted request, deployment, transformer checkpoint, release or None) of
-    ``--model``, with every header, the layout and the request (admission, memory estimate
-    included) checked before any weight is built."""
-
-
 def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
     """The checked, preprocessed ``--image`` (`headmoe.pipeline.image.read_image`), or
     None; refused with a model that has no image encoder."""
@@ -416,9 +412,13 @@ def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> 
     from headmoe.pipeline.image import ImageError, read_image
 
     try:
-        return read_image(args.image, request.height, request.width)
+        image = read_image(args.image, request.height, request.width)
     except ImageError as exc:
         raise UserError(str(exc)) from None
+    if image.frames > 1:
+        print(f"headmoe: note: --image {args.image!r} is animated ({image.frames} frames); "
+              "its first frame is used", file=sys.stderr)
+    return image
 
 
 def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: ParallelConfig,
@@ -453,8 +453,9 @@ def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: Pa
         if args.check_weights:
             checks.scan_weights(checkpoint, headers, report.prefix)
             if release is not None:
-                checks.scan_decoders(release)
-    return admit(given, dep), dep, checkpoint, release
+                checks.scan_components(release)
+    return admit(given, dep, image=getattr(args, "image", None) is not None), dep, \
+        checkpoint, release
 
 
 def _release(args: argparse.Namespace, parallel: ParallelConfig):
@@ -468,7 +469,8 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     from headmoe.release import folder as rel
 
     video = args.video_decoder or "turbo"
-    image = getattr(args, "image", None) is not None
+    # --image needs the encoder; a server (image_encoder None) loads it when vae/ has it
+    image = getattr(args, "image", None) is not None or getattr(args, "image_encoder", False)
     if args.model == "tiny":
         if args.model_config is not None:
             raise ValueError("model_config applies to a release folder or a checkpoint file, "
@@ -482,7 +484,11 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
         found = rel.find_release(args.model, video, args.offload, image, args.model_config)
         validate_parallel(found.model_config, parallel)
     rel.check_release(found)  # headers only, before any rank starts
-    return found
+    unused = rel.unused_entries(found)
+    if unused:
+        print(f"headmoe: warning: entries headmoe does not use (nor does the reference), "
+              f"recorded in the sidecar: {'; '.join(unused)}", file=sys.stderr)
+    return dataclasses.replace(found, unused=tuple(unused))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -493,11 +499,18 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     job, world = build_job(args)  # ValueError: bad input, reported by headmoe.cli.errors
     env = torchrun_env()
+    if env is None or env.rank == 0:
+        if args.model == "tiny":
+            print(f"headmoe: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
+        if not args.no_progress:
+            print(f"headmoe: checked the request and the model; starting {world} rank(s)",
+                  file=sys.stderr, flush=True)
     if env is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
         results = [record(launched_rank)(job)]
     elif world == 1:
+        set_rank_threads(1)  # the cores this process may use, not the machine's
         ctx = ParallelContext.single(job.parallel, device=rank_device())
         results = [run_job(ctx, job)]
     else:

@@ -5,9 +5,13 @@ as the parser's default. Adding a subcommand is one line in `SUBCOMMANDS`."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import re
 import sys
 from collections.abc import Sequence
+
+from headmoe import __version__
 
 SUBCOMMANDS: tuple[str, ...] = (
     "headmoe.cli.generate",
@@ -18,11 +22,41 @@ SUBCOMMANDS: tuple[str, ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    """Flag errors as one ``headmoe: error: ...`` line (exit 2), like every other error."""
+    """Flag errors as one ``headmoe: error: ...`` line (exit 2), like every other error,
+    with "did you mean" for a misspelt flag or subcommand."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"headmoe: error: {message}, see '{self.prog} --help'", file=sys.stderr)
+        print(f"headmoe: error: {message}{_suggestion(self, message)}, see '{self.prog} "
+              "--help'", file=sys.stderr)
         sys.exit(2)
+
+
+def _known(parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """(every flag of ``parser`` and its subcommands, the subcommand names)."""
+    flags, commands = list(parser._option_string_actions), []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            commands = list(action.choices)
+            for sub in action.choices.values():
+                flags += list(sub._option_string_actions)
+    return flags, commands
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """``" (did you mean --prompt?)"`` for an unknown flag or subcommand close to a known
+    one, else ""."""
+    flags, commands = _known(parser)
+    if m := re.search(r"invalid choice: '([^']*)'", message):
+        words, known = [m.group(1)], commands
+    elif message.startswith("unrecognized arguments: "):
+        words = [w.split("=")[0] for w in message.split(": ", 1)[1].split() if w.startswith("-")]
+        known = flags
+    else:
+        return ""
+    bare = {k.lstrip("-"): k for k in known}  # "--" alone would make anything look close
+    hits = [bare[h] for w in words
+            for h in difflib.get_close_matches(w.lstrip("-"), list(bare), n=1, cutoff=0.75)]
+    return f" (did you mean {' / '.join(dict.fromkeys(hits))}?)" if hits else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     debug_help = "print the traceback of a failure (and check every layer for NaN/Inf)"
     parser.add_argument("--debug", action="store_true", help=debug_help)
+    parser.add_argument("--version", action="version", version=f"headmoe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
@@ -49,7 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from headmoe.cli.errors import run_guarded
 
     args = build_parser().parse_args(argv)
-    return run_guarded(lambda: args.run(args), args.command, args.debug)
+    from headmoe import check_torch
+
+    def run() -> int:
+        check_torch()
+        return args.run(args)
+
+    return run_guarded(run, args.command, args.debug)
 
 
 if __name__ == "__main__":

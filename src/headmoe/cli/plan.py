@@ -7,22 +7,30 @@ headmoe plan --model magi2-preview --world-size 8 [--height 256 --width 448
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from headmoe.admission import MAX_BUDGET_GIB
 from headmoe.cli.errors import UserError, run_guarded
+from headmoe.config import GIB, MIB
 from headmoe.models.magi2.config import PRESETS, get_config
+from headmoe.models.magi2.packing import image_rows
 from headmoe.models.streaming import DEFAULT_SLOTS
+from headmoe.pipeline.image import max_latent_size
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
 from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
-from headmoe.planner.plan import GIB, LayoutPlan, plan_world
+from headmoe.planner.plan import LayoutPlan, plan_world
 from headmoe.planner.request import RequestShape
 
-MIB = 1 << 20
+#: the largest world `plan` enumerates (its layouts grow with the divisors; 4096 ranks take
+#: seconds)
+MAX_WORLD_SIZE = 4096
 
 
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +114,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--video-decoder", choices=("turbo", "wan2.2"), default="turbo")
     p.add_argument(
+        "--image",
+        action="store_true",
+        help="image-to-video: count the reference image's rows (the most any image adds at "
+        "this size) and the Wan2.2 encoder on rank 0",
+    )
+    p.add_argument(
         "--ranks-per-node",
         type=int,
         default=None,
@@ -135,7 +149,17 @@ register = add_parser
 
 
 def request_from_args(args: argparse.Namespace) -> RequestShape:
+    """The request shape of the flags, through admission's rules (`check_given`: ranges and
+    the decoders' geometry; `Refusal` names the field) and the text encoder's token limit."""
+    from headmoe.admission import check_given
+    from headmoe.pipeline.released import MAX_TEXT_TOKENS
+
     uncond = args.text_tokens if args.uncond_text_tokens is None else args.uncond_text_tokens
+    check_given({k: getattr(args, k) for k in ("height", "width", "num_frames", "fps")})
+    for flag, value in (("--text-tokens", args.text_tokens), ("--uncond-text-tokens", uncond)):
+        if not 1 <= value <= MAX_TEXT_TOKENS:
+            raise UserError(f"{flag} must be in [1, {MAX_TEXT_TOKENS}] (the text encoder keeps "
+                            f"at most {MAX_TEXT_TOKENS} tokens), got {value}")
     return RequestShape.from_media(
         height=args.height,
         width=args.width,
@@ -225,18 +249,57 @@ def format_stream_table(plans: list[LayoutPlan]) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+def print_text(args: argparse.Namespace, model: Any, request: RequestShape, parts: Any,
+               plans: list[LayoutPlan], reason: str, streamed: bool, memory: int | None
+               ) -> None:
+    """The plan as text: the request and components, the layouts table, the streaming
+    table (`--offload-layers`), and the note on components over the budget."""
+    image = getattr(args, "image", False)
+    print(
+        f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
+        f"{request.video_tokens} video + {request.audio_tokens} audio + "
+        f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
+        f"components (device bytes when loaded): text encoder "
+        f"{parts.text_encoder / GIB:,.2f} GiB on each node's first rank, {args.video_decoder} "
+        f"video decoder {parts.video_decoder / GIB:,.2f} GiB + audio decoder "
+        f"{parts.audio_decoder / GIB:,.2f} GiB on each output rank"
+        + (f", image encoder {parts.image_encoder / GIB:,.2f} GiB on rank 0 (+"
+           f"{request.image_tokens} image tokens per branch)" if image else "")
+        + f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
+    )
+    print(format_table(plans, reason))
+    if streamed:
+        print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
+              "page cache of the checkpoint's streamed bytes the node's ranks read, "
+              "once, plus each rank's pinned slots):\n")
+        print(format_stream_table(plans))
+    best = next(p for p in plans if p.recommended)
+    if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
+        print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
+              f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
+              f"{args.memory_gib:g}: run generate with --offload (components on the host "
+              "between uses).")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
-    if args.world_size < 1:
-        raise UserError(f"--world-size must be a positive number of ranks, got "
-                        f"{args.world_size}, e.g. --world-size 8")
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        raise UserError(f"--world-size must be a positive number of ranks, at most "
+                        f"{MAX_WORLD_SIZE:,}, got {args.world_size}, e.g. --world-size 8")
     model = get_config(args.model)  # a ValueError is reported by headmoe.cli.errors
     request = request_from_args(args)
-    memory = None if args.memory_gib <= 0 else int(args.memory_gib * GIB)
+    if not (math.isfinite(args.memory_gib) and 0 <= args.memory_gib <= MAX_BUDGET_GIB):
+        raise UserError(f"--memory-gib must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
+                        f"(0: no limit), got {args.memory_gib!r}")
+    memory = None if args.memory_gib == 0 else int(args.memory_gib * GIB)
     if args.release is not None and not os.path.isdir(args.release):
         raise UserError(f"--release {args.release!r} is not a folder; pass the release's "
                         "root folder")
-    parts = component_bytes(args.release or args.model, args.video_decoder)
+    image = getattr(args, "image", False)
+    parts = component_bytes(args.release or args.model, args.video_decoder, image)
+    if image:
+        request = dataclasses.replace(request, image_tokens=image_rows(
+            *max_latent_size(args.height, args.width)))
     stream = stream_settings(args, model.num_layers)
     if not args.h2d_gbps > 0:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
@@ -255,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
                         "video_decoder": args.video_decoder,
                         "video_decoder_bytes": parts.video_decoder,
                         "audio_decoder_bytes": parts.audio_decoder,
+                        "image_encoder_bytes": parts.image_encoder,
                         "offload": args.offload,
                         "ranks_per_node": args.ranks_per_node or args.world_size,
                     },
@@ -265,28 +329,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(
-            f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
-            f"{request.video_tokens} video + {request.audio_tokens} audio + "
-            f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
-            f"components (device bytes when loaded): text encoder "
-            f"{parts.text_encoder / GIB:,.2f} GiB on each node's first rank, {args.video_decoder} "
-            f"video decoder {parts.video_decoder / GIB:,.2f} GiB + audio decoder "
-            f"{parts.audio_decoder / GIB:,.2f} GiB on each output rank"
-            f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
-        )
-        print(format_table(plans, reason))
-        if stream is not None:
-            print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
-                  "page cache of the checkpoint's streamed bytes the node's ranks read, "
-                  "once, plus each rank's pinned slots):\n")
-            print(format_stream_table(plans))
-        best = next(p for p in plans if p.recommended)
-        if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
-            print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
-                  f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
-                  f"{args.memory_gib:g}: run generate with --offload (components on the host "
-                  "between uses).")
+        print_text(args, model, request, parts, plans, reason, stream is not None, memory)
     return 0
 
 

@@ -32,6 +32,7 @@ def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
     from headmoe.cli.checks import add_memory_flag
     from headmoe.cli.generate import add_layout_flags
+    from headmoe.cli.plan import add_stream_arguments
 
     p = subparsers.add_parser(
         "serve",
@@ -50,6 +51,7 @@ def register(subparsers: Any) -> None:
                    help="transformer dtype of every request (default: the model's recipe: "
                    "fp32 for the tiny release; MAGI-2 Preview: bf16 on a GPU, fp32 on a CPU)")
     add_layout_flags(p)
+    add_stream_arguments(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks (default: the layout's world size); not under torchrun")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -80,9 +82,10 @@ def register(subparsers: Any) -> None:
 #: generate flags a server fixes for every request (its outputs are server-named files),
 #: and the smallest request, admitted at start: the model alone must fit the budget
 GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
-                 "video_decoder": None, "offload": False, "offload_layers": False,
-                 "resident_layers": 0, **{name: None for name in INPUT_FIELDS}, "prompt": "",
-                 "height": 16, "width": 16, "num_frames": 1}
+                 "video_decoder": None, "offload": False,
+                 **{name: None for name in INPUT_FIELDS}, "prompt": "",
+                 "height": 16, "width": 16, "num_frames": 1, "image": None,
+                 "image_encoder": None}
 
 
 def _check_output_dir(value: str) -> str:
@@ -134,7 +137,8 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
                      job.request.dtype, output_dir, args.host, args.port, args.api_key,
                      args.max_queue, args.timeout, args.drain_timeout,
                      dep.budget.limit, log_level=args.log_level, release=job.release,
-                     deployment=dep)
+                     deployment=dep, offload_layers=job.offload_layers,
+                     resident_layers=job.resident_layers)
     return spec, world
 
 
@@ -165,20 +169,6 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _port_free(host: str, port: int) -> bool:
-    """Try to listen on ``host:port`` before any rank starts or any weight loads (rank 0
-    binds it for real later); print one line and return False when that fails."""
-    from headmoe.serve.worker import bind
-
-    try:
-        bind(host, port).close()
-    except OSError as exc:
-        print(f"headmoe serve: error: {exc} (--host {host} --port {port}), pick another "
-              "--port or stop the process that holds it", file=sys.stderr)
-        return False
-    return True
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``headmoe serve``; returns the exit code."""
     from headmoe.distributed.launch import torchrun_env
@@ -190,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     env = torchrun_env()
     if env is None or env.rank == 0:
+        if args.model == "tiny":
+            from headmoe.release.folder import RANDOM_WEIGHTS_NOTE
+
+            print(f"headmoe serve: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
         print(f"headmoe serve: checked the flags and the model folder; starting {world} "
               "rank(s)", file=sys.stderr, flush=True)
         if not _port_free(spec.host, spec.port):
@@ -198,9 +192,11 @@ def run(args: argparse.Namespace) -> int:
         from headmoe.serve.supervisor import run_local
 
         return run_local(spec, world)
+    from headmoe.distributed.context import set_rank_threads
     from headmoe.serve.worker import serve_rank
 
     rank = 0 if env is None else env.rank
+    set_rank_threads(1 if env is None else env.local_world_size)
     try:
         serve_rank(spec, rank, world, None)
     except Exception as exc:  # noqa: BLE001 - one line for the operator, traceback above

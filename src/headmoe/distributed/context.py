@@ -35,6 +35,39 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+#: cgroup v2 CPU quota of this process's container: "<quota us> <period us>" or "max ..."
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+
+
+def available_cores() -> int:
+    """Cores this process may run on: its CPU affinity (``os.sched_getaffinity``), capped
+    by a cgroup v2 CPU quota (``/sys/fs/cgroup/cpu.max``, containers), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        with open(CGROUP_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def set_rank_threads(local_ranks: int) -> int:
+    """On a CPU host, give this rank ``available_cores() // local_ranks`` torch threads (at
+    least 1: the cores this process may run on, not the machine's), so the ranks of a node
+    share them; returns the count. On CUDA nothing (0; the GPU does the work). The one home
+    of this rule (one-rank and launched `generate` ranks and `serve` ranks call it)."""
+    if torch.cuda.is_available():
+        return 0
+    threads = max(1, available_cores() // max(1, local_ranks))
+    torch.set_num_threads(threads)
+    return threads
+
+
 @dataclass
 class ParallelContext:
     """This rank's view of a job: its topology, coordinates and process groups.

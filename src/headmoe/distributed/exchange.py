@@ -148,6 +148,17 @@ class HeadLayout:
         """Tokens this rank sends to each owner rank in `scatter_heads` (rank order)."""
         return tuple(self.local_parts[dst // self.shards] for dst in range(self.world_size))
 
+    def moved_bytes(self, token_bytes: int, to_heads: bool) -> tuple[int, int]:
+        """(bytes sent to, bytes received from) the *other* ranks by one exchange over this
+        layout moving `token_bytes` per token and destination shard (`a * h * D * element
+        size`); `to_heads`: token shards to head shards (`scatter_heads`, Ulysses in), else
+        back. The one byte accounting of the exchanges (they record it, the planner
+        predicts it)."""
+        out = [n * token_bytes for n in self.send_counts]
+        back = [n * token_bytes for n in self.owned_counts]
+        sent, got = (out, back) if to_heads else (back, out)
+        return sum(sent) - sent[self.rank], sum(got) - got[self.rank]
+
 
 # ---------------------------------------------------------------------------- workspace
 class ExchangeWorkspace:
@@ -228,10 +239,16 @@ def _check_tensor(name: str, t: Any, dims: int, rows: int, what: str) -> None:
         raise ValueError(f"{name} must have positive head and dim sizes, got {tuple(t.shape)}")
 
 
-def _record(counters: Any, kind: str, sent: list[int], recv: list[int], me: int, t: Tensor):
+def _record(counters: Any, kind: str, layout: HeadLayout, row: int, t: Tensor,
+            to_heads: bool) -> None:  # fmt: skip
     if counters is not None:
-        size = t.element_size()
-        counters.record_exchange(kind, (sum(sent) - sent[me]) * size, (sum(recv) - recv[me]) * size)
+        counters.record_exchange(kind, *layout.moved_bytes(row * t.element_size(), to_heads))
+
+
+def gathered_bytes(token_counts: tuple[int, ...], width: int, nbytes: int) -> int:
+    """Bytes one rank sends (and receives) in `gather_rows`'s all-gather of shards padded to
+    the largest: `(ranks - 1) * max(token_counts) * width * nbytes`."""
+    return (len(token_counts) - 1) * max(token_counts) * width * nbytes
 
 
 def _to_heads(
@@ -258,7 +275,7 @@ def _to_heads(
     sent = [n * row for n in layout.send_counts]
     got = [n * row for n in layout.owned_counts]
     dist.all_to_all_single(recv, send, got, sent, group=group)
-    _record(counters, kind, sent, got, layout.rank, x)
+    _record(counters, kind, layout, row, x, to_heads=True)
     return recv.view(layout.owned_tokens, a, h, d)
 
 
@@ -283,7 +300,7 @@ def _to_tokens(
     sent = [n * row for n in layout.owned_counts]
     got = [n * row for n in layout.send_counts]
     dist.all_to_all_single(recv, send, got, sent, group=group)
-    _record(counters, kind, sent, got, layout.rank, y)
+    _record(counters, kind, layout, row, y, to_heads=False)
     out = _empty(ws, "gather_out", layout.local_tokens * shards * row, y)
     out = out.view(layout.local_tokens, a, shards, h, d)
     start = off = 0
@@ -469,7 +486,7 @@ def gather_rows(
     parts = [torch.empty_like(padded) for _ in range(sp)]
     dist.all_gather(parts, padded, group=group)
     if counters is not None:
-        moved = (sp - 1) * padded.numel() * padded.element_size()
+        moved = gathered_bytes(tuple(token_counts), width, padded.element_size())
         counters.record_exchange(Exchange.SP_OUTPUT_GATHER, moved, moved)
     return torch.cat([p[:c] for p, c in zip(parts, token_counts)])
 

@@ -13,17 +13,28 @@ torch's error-file mechanism, or the signal that killed it).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from headmoe.config import is_int
+
+#: seconds the other ranks get to exit once one rank failed; those still running then are
+#: killed and named (every launcher: `launch_local`'s callers, serve's supervisor, the test
+#: harness `headmoe.testing.run_ranks`)
+FAILURE_GRACE_S = 10.0
+#: how a killed rank's failure reads (`failure_order` puts it first)
+KILLED = "killed by signal"
+#: how a rank that names a hung peer reads (`headmoe.distributed.watchdog`)
+HUNG_PEER = "stopped responding"
 #: prctl option: the signal a process receives when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
 
@@ -48,6 +59,21 @@ class LaunchFailure(RuntimeError):
                                        for r, m in failures.items()}
         parts = [f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(failures.items())]
         super().__init__(f"{len(failures)} rank(s) failed\n" + "\n".join(parts))
+
+
+def failure_order(failures: Mapping[int, str],
+                  times: Mapping[int, float] | None = None) -> list[int]:
+    """The failed ranks, the root cause first: a rank killed by a signal (``KILLED`` in its
+    text), then one naming a hung peer (``HUNG_PEER``), then the earliest recorded failure
+    (``times``: rank -> when, where known), then the lowest rank; the others mostly report
+    the collective the first one broke. The one home of "who failed first"."""
+    times = times or {}
+
+    def cause(rank: int) -> tuple[bool, bool, float, int]:
+        text = failures[rank]
+        return (KILLED not in text, HUNG_PEER not in text, times.get(rank, math.inf), rank)
+
+    return sorted(failures, key=cause)
 
 
 def exit_with_parent() -> None:
@@ -98,7 +124,7 @@ def launch_local(
     group with ``init_method="env://"``. Raises `ValueError` for ``nproc < 1`` and
     `LaunchFailure` if any rank fails (the others are then stopped).
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+    if not is_int(nproc) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     config = LaunchConfig(
         min_nodes=1,
@@ -129,7 +155,7 @@ def _failure_message(failure: Any) -> str:
         text = inner.get("extraInfo", {}).get("py_callstack") or inner.get("message", "")
     text = str(text or failure.message or "").strip()
     if failure.exitcode is not None and failure.exitcode < 0:
-        return f"killed by signal {-failure.exitcode}"
+        return f"{KILLED} {-failure.exitcode}"
     return text or f"exited with code {failure.exitcode}"
 
 
@@ -137,7 +163,7 @@ def _failure_summary(failure: Any) -> str:
     """One line: the exception as ``Type: message`` (the error file's own summary), or the
     signal that killed the rank."""
     if failure.exitcode is not None and failure.exitcode < 0:
-        return f"killed by signal {-failure.exitcode}"
+        return f"{KILLED} {-failure.exitcode}"
     data = getattr(failure, "error_file_data", None) or {}
     inner = data.get("message", {}) if isinstance(data, dict) else {}
     text = inner.get("message", "") if isinstance(inner, dict) else str(inner)

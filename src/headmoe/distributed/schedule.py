@@ -58,6 +58,13 @@ class Collective:
     width: int
     fp32: bool = False
 
+    @property
+    def layout(self) -> Any:
+        """The layout as a `headmoe.distributed.exchange.HeadLayout` (validated)."""
+        from headmoe.distributed.exchange import HeadLayout  # exchange imports this module
+
+        return HeadLayout(self.token_counts, self.rank, self.replica_counts)
+
 
 @dataclass(frozen=True)
 class ForwardSchedule:

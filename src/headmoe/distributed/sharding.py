@@ -197,8 +197,8 @@ def resolve_exchange(mode: str, sp_size: int, ep_size: int) -> str:
 class DispatchPlan:
     """One MoE exchange: over the `axis` group ("ep" or "sp"), this rank's `rank` in it,
     every member's token counts in group order and (sp axis) each member's replica parts.
-    `HeadLayout(token_counts, rank, replica_counts)` is the exchange's layout; the head shard
-    it delivers to this rank is `rank % (group size / replicas)`."""
+    `layout` is the exchange's `HeadLayout` (the one conversion); the head shard it delivers
+    to this rank is the layout's `shard`."""
 
     axis: str
     token_counts: tuple[int, ...]
@@ -206,9 +206,16 @@ class DispatchPlan:
     replica_counts: tuple[tuple[int, ...], ...] | None
 
     @property
+    def layout(self) -> Any:
+        """The exchange's `headmoe.distributed.exchange.HeadLayout` (validated)."""
+        from headmoe.distributed.exchange import HeadLayout  # exchange imports this module
+
+        return HeadLayout(self.token_counts, self.rank, self.replica_counts)
+
+    @property
     def delivered_shard(self) -> int:
-        replicas = 1 if self.replica_counts is None else len(self.replica_counts[0])
-        return self.rank % (len(self.token_counts) // replicas)
+        """The head shard this rank's exchanges deliver to it (`layout.shard`)."""
+        return self.layout.shard
 
 
 def dispatch_plan(

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from headmoe.distributed.launch import HUNG_PEER
 from headmoe.errors import RankUnresponsive, RuntimeFault
 
 _state = {"step": -1}
@@ -100,7 +101,7 @@ class Heartbeat:
             f"rank {r} (last at step {s + 1}/{steps})" if s >= 0 else f"rank {r} (before step 1)"
             for r, s in sorted(stalled.items()))
         return RankUnresponsive(
-            f"{where} stopped responding: rank {self.rank} waited --timeout {timeout_s:g} s "
+            f"{where} {HUNG_PEER}: rank {self.rank} waited --timeout {timeout_s:g} s "
             f"for it in a collective ({type(exc).__name__}), check that process and its host, "
             "or raise --timeout if a step legitimately takes longer"
         )

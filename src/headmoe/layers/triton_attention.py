@@ -27,7 +27,13 @@ import dataclasses
 
 import torch
 
-from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, descriptor, kernels
+from headmoe.layers.triton_runtime import (
+    KERNEL_FLOATS,
+    check_tensors,
+    check_tile_sizes,
+    descriptor,
+    kernels,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +48,7 @@ class AttentionTiles:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"AttentionTiles.{name} must be a power of two >= 16, got {v!r}")
+        check_tile_sizes(self, ("block_m", "block_n"))
 
 
 #: the production tiles (bf16, D=128, Hopper)

@@ -32,7 +32,7 @@ import dataclasses
 
 import torch
 
-from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, kernels
+from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 #: the module of the kernels (imported at the first call)
 KERNELS = "headmoe.layers.triton_dense_kernels"
@@ -51,10 +51,7 @@ class DenseTiles:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"DenseTiles.{name} must be a power of two >= 16, got {v!r}")
+        check_tile_sizes(self, ("block_m", "block_n", "block_k"))
 
 
 #: the tiles of each dtype (fixed: a row never sees another configuration). fp32 runs IEEE

@@ -27,10 +27,9 @@ import dataclasses
 
 import torch
 
+from headmoe.layers import triton_attention
 from headmoe.layers.range_attention import RangePlan
-from headmoe.layers.triton_runtime import check_tensors
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,23 +43,19 @@ class RangeTiles:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"RangeTiles.{name} must be a power of two >= 16, got {v!r}")
+        check_tile_sizes(self, ("block_m", "block_n"))
 
 
 DEFAULT_RANGE_TILES = RangeTiles()
 
 
-def supported(head_dim: int) -> bool:
-    """Whether the kernel takes this head dim (a power of two >= 16)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+#: whether the kernel takes a head dim: the same rule as the sink attention kernel's
+supported = triton_attention.supported
 
 
 def _check_args(q, k, v, plan: RangePlan, tiles: RangeTiles) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in _FLOATS:
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in KERNEL_FLOATS:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t)
             raise ValueError(f"{name} must be a float [N, heads, D] tensor, got {got}")
     n, hq, d = q.shape
@@ -93,9 +88,8 @@ def triton_range_attention(
     """q `[N, Hq, D]`, k/v `[N, Hkv, D]` (Hkv dividing Hq), same dtype, D a power of two
     >= 16; `plan` with tiles of at most `tiles.block_m` rows. Returns `[N, Hq, D]` in q's
     dtype. Raises `ValueError` naming the bad argument."""
-    from headmoe.layers import triton_attention_kernels
-    from headmoe.layers import triton_range_attention_kernels as kern
-
+    kern = kernels("headmoe.layers.triton_range_attention_kernels")
+    log2e = kernels(triton_attention.KERNELS).LOG2E.value
     _check_args(q, k, v, plan, tiles)
     check_tensors(kern.range_attention_kernel, q=q, k=k, v=v)
     q, k, v = _rows(q), _rows(k), _rows(v)
@@ -111,7 +105,7 @@ def triton_range_attention(
     kern.range_attention_kernel[(len(plan.q_tiles), hq)](
         q, k, v, out, q_tiles, k_offsets, k_ranges,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), float(scale) * triton_attention_kernels.LOG2E.value,
+        out.stride(0), out.stride(1), float(scale) * log2e,
         GROUP=hq // k.shape[1], HEAD_DIM=d, PRECISION=prec, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip

@@ -37,6 +37,16 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and available()
 
 
+def check_tile_sizes(tiles: object, names: tuple[str, ...]) -> None:
+    """ValueError naming the first field of `tiles` (a tile dataclass) in `names` that is not
+    a power of two >= 16 (the block sizes every kernel here takes)."""
+    for name in names:
+        v = getattr(tiles, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
+            raise ValueError(f"{type(tiles).__name__}.{name} must be a power of two >= 16, "
+                             f"got {v!r}")  # fmt: skip
+
+
 def kernels(module: str) -> ModuleType:
     """The `*_kernels` module `module` (a dotted name), imported on first use: importing it
     imports triton and fixes compiled vs interpreted kernels (TRITON_INTERPRET)."""

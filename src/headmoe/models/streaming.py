@@ -7,8 +7,9 @@ the same way; docs/guide.md "Fewer GPUs").
 Generic over a list of layer modules (MAGI-2's `block.layers`, the refiner's layers): what a
 layer reads is a list of `TensorRead`s (its tensor, the stored checkpoint name, the stored
 rows this rank holds), built by the model family (`headmoe.models.magi2.loading.
-stream_layers`). `LayerStreamer` attaches to the layers with forward hooks, so the model's
-own forward loop is unchanged.
+stream_layers`). `LayerStreamer` attaches to the layers with forward hooks, so a model
+whose loop calls its layers is unchanged; a loop that calls a layer's parts instead wraps
+them in `present(layer)` (the refiner).
 
 Data path of one streamed layer on one rank:
 
@@ -44,6 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from headmoe.config import is_int
+
 #: layers' weights on the device at once by default (the layer running and the next one)
 DEFAULT_SLOTS = 2
 #: byte alignment of every tensor inside a slot (the CUDA caching allocator's, >= CPU's 64)
@@ -75,9 +78,7 @@ class TensorRead:
 def split_layers(num_layers: int, resident_layers: int) -> tuple[range, range]:
     """`(resident, streamed)` layer ids: the first `resident_layers` layers stay on the
     device, the others stream. Raises `ValueError` naming `resident_layers`."""
-    if isinstance(resident_layers, bool) or not isinstance(resident_layers, int) or not (
-        0 <= resident_layers <= num_layers
-    ):
+    if not is_int(resident_layers) or not 0 <= resident_layers <= num_layers:
         raise ValueError(f"resident_layers must be an int in [0, {num_layers}] (the model's "
                          f"layers), got {resident_layers!r}")
     return range(resident_layers), range(resident_layers, num_layers)
@@ -85,7 +86,7 @@ def split_layers(num_layers: int, resident_layers: int) -> tuple[range, range]:
 
 def check_slots(slots: Any) -> int:
     """`slots` if it is an int >= 1, else `ValueError` naming it."""
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+    if not is_int(slots) or slots < 1:
         raise ValueError(f"slots (layers in flight) must be an int >= 1, got {slots!r}")
     return slots
 
@@ -236,6 +237,20 @@ class MappedCheckpoint:
             self._maps.clear()
 
 
+def layer_index(name: str) -> int | None:
+    """i of a `block.layers.{i}.` tensor name (the layer list of both MAGI-2 models; None
+    for other names)."""
+    parts = name.split(".")
+    return int(parts[2]) if parts[:2] == ["block", "layers"] and parts[2].isdigit() else None
+
+
+def whole_reads(layer: nn.Module, key_prefix: str) -> list[TensorRead]:
+    """A `TensorRead` of every parameter and buffer of `layer`, whole, from the stored
+    tensor `key_prefix + name` (a layer every rank holds entirely)."""
+    return [TensorRead(n, key_prefix + n)
+            for n, _ in [*layer.named_parameters(), *layer.named_buffers()]]
+
+
 # ---------------------------------------------------------------------- placeholders
 def materialise_except(root: nn.Module, skip: Sequence[nn.Module], device: torch.device
                        ) -> None:
@@ -279,6 +294,24 @@ class _LayerPlan:
 
 
 # ---------------------------------------------------------------------- the streamer
+#: attribute of a streamed layer module naming its `LayerStreamer` (for `present`)
+STREAMER_ATTR = "_headmoe_streamer"
+
+
+@contextlib.contextmanager
+def present(layer: nn.Module) -> Iterator[nn.Module]:
+    """`layer` with its weights present while the body runs: nothing to do for a resident
+    layer (or one its forward hook already bound), `LayerStreamer.use` for a streamed one.
+    For a model loop that calls a layer's parts instead of the layer (the refiner's)."""
+    streamer = layer.__dict__.get(STREAMER_ATTR)
+    index = None if streamer is None else streamer.index_of(layer)
+    if index is None or index in streamer.bound:
+        yield layer
+        return
+    with streamer.use(index):
+        yield layer
+
+
 class LayerStreamer:
     """Streams the weights of `layers[i]`, i in `streamed`, through `slots` slot buffers.
 
@@ -328,6 +361,7 @@ class LayerStreamer:
         self._hooks = []
         for p in self.order:
             layer = self.layers[p.index]
+            layer.__dict__[STREAMER_ATTR] = self
             self._hooks.append(layer.register_forward_pre_hook(self._pre_hook(p.index)))
             self._hooks.append(layer.register_forward_hook(self._post_hook(p.index),
                                                            always_call=True))
@@ -428,6 +462,10 @@ class LayerStreamer:
         finally:
             self._release(index)
 
+    def index_of(self, layer: nn.Module) -> int | None:
+        """The index of streamed layer `layer` (None: not streamed by this streamer)."""
+        return next((p.index for p in self.order if self.layers[p.index] is layer), None)
+
     def materialised(self) -> list[int]:
         """Layer indices whose weights the slots hold now (at most `slots`)."""
         return [i for i in self.content if i is not None]
@@ -437,6 +475,8 @@ class LayerStreamer:
         self._pool.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
+        for p in self.order:
+            self.layers[p.index].__dict__.pop(STREAMER_ATTR, None)
         for i in list(self.bound):
             self._unbind(i)
         self.content = [None] * len(self.host)

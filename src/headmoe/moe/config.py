@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from headmoe.config import check_positive_int
+from headmoe.config import DTYPES, check_positive_int, is_number
 
-MOE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+MOE_DTYPES: tuple[torch.dtype, ...] = tuple(DTYPES.values())
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,7 @@ class MoEConfig:
             raise ValueError(
                 f"top_k={self.top_k!r} must not exceed num_experts={self.num_experts!r}"
             )
-        if (
-            isinstance(self.route_scale, bool)
-            or not isinstance(self.route_scale, int | float)
-            or not self.route_scale > 0
-        ):
+        if not is_number(self.route_scale) or not self.route_scale > 0:
             raise ValueError(f"route_scale must be a positive number, got {self.route_scale!r}")
         if self.dtype not in MOE_DTYPES:
             raise ValueError(f"dtype must be one of {MOE_DTYPES}, got {self.dtype!r}")

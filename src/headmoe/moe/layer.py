@@ -46,7 +46,7 @@ def plan_dispatch(
     """`(group axis, layout)` of one MoE exchange: `headmoe.distributed.sharding.
     dispatch_plan` (the rule) as the exchange's `HeadLayout`."""
     p = dispatch_plan(mode, sp_counts, sp_rank, ep_size, batch_invariant)
-    return p.axis, HeadLayout(p.token_counts, p.rank, p.replica_counts)
+    return p.axis, p.layout
 
 
 class MoERouter(nn.Module):
@@ -198,7 +198,7 @@ class MultiHeadMoE(nn.Module):
             dispatch = dispatch_plan(ctx.config.moe_exchange, counts, ctx.group_rank("sp"),
                                      self.ep_size, EXPERTS_BATCH_INVARIANT)
         axis = dispatch.axis
-        layout = HeadLayout(dispatch.token_counts, dispatch.rank, dispatch.replica_counts)
+        layout = dispatch.layout
         z = x.reshape(t, heads, d)
         padded = self.local_heads * self.ep_size
         if padded != heads:  # zero heads so that every EP rank owns `local_heads`

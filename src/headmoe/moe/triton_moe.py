@@ -32,7 +32,13 @@ import torch
 
 from headmoe.config import is_int
 from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
-from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, descriptor, kernels
+from headmoe.layers.triton_runtime import (
+    KERNEL_FLOATS,
+    check_tensors,
+    check_tile_sizes,
+    descriptor,
+    kernels,
+)
 from headmoe.moe.routing import ROUTE_EPS, route_groups
 
 #: the module of the kernels (imported at the first call)
@@ -64,10 +70,7 @@ class MoETiles:
     row_gather: bool = True
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self)[:7]:
-            v = getattr(self, field.name)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"MoETiles.{field.name} must be a power of two >= 16, got {v!r}")
+        check_tile_sizes(self, tuple(f.name for f in dataclasses.fields(self)[:7]))
 
 
 #: the production configuration (bf16 on Hopper); fixed, so rows never see another one

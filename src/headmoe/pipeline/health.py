@@ -26,7 +26,8 @@ BRANCHES = ("conditional", "unconditional")
 _HINT = ("check the checkpoint with --check-weights, or rerun with --debug to find the first "
          "layer")
 #: after a decoder: the latents were finite, so the decoder's weights are the cause it sees
-DECODER_HINT = "check the decoders' weights with --check-weights (it reads every decoder tensor)"
+DECODER_HINT = ("check the decoders' weights with --check-weights (it reads every tensor of "
+                "the decoders)")
 
 
 def _bad(x: torch.Tensor) -> str | None:

@@ -209,6 +209,14 @@ def vae_size(target_w: int, target_h: int) -> tuple[int, int]:
     return target_w - target_w % PIXEL_MULTIPLE, target_h - target_h % PIXEL_MULTIPLE
 
 
+def max_latent_size(height: int, width: int) -> tuple[int, int]:
+    """The largest ``(h, w)`` latent any image can give for a request of ``height x width``
+    (a square one: both sides ``max(height, width)`` floored to 32, / 16), for the memory
+    estimate before the image is read."""
+    side = vae_size(max(height, width), 0)[0] // 16
+    return side, side
+
+
 def prepare_image(data: bytes, height: int, width: int, what: str = "the image"
                   ) -> ReferenceImage:
     """Open (`open_image`) and preprocess ``data`` for a request of ``height x width``

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from headmoe.config import ParallelConfig, check_positive_number
-from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.context import ParallelContext, set_rank_threads
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput
@@ -58,12 +58,16 @@ from headmoe.pipeline.media import (
     write_mp4,
     write_sidecar,
 )
+from headmoe.pipeline.placement import is_output_coords
 from headmoe.pipeline.refine import REFINER_FPS_FACTOR, refine_stage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
 from headmoe.release.components import magi2_components
 from headmoe.release.video_latents import frame_count
+
+#: the shortest collective timeout (s): below it the ranks cannot even join the group
+MIN_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,9 @@ class GenerateJob:
 
     def __post_init__(self) -> None:
         check_positive_number("timeout_s", self.timeout_s)
+        if self.timeout_s < MIN_TIMEOUT_S:
+            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
+                             f"joining the ranks), got {self.timeout_s!r}")
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:
@@ -341,7 +348,7 @@ def run_request(
                           getattr(parts.text_encoder, "runs", None))
     result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
               "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
-    if (coords.sp, coords.cfg) != (0, 0):
+    if not is_output_coords(coords):
         return result
     frames, audio = decode(parts, req, xv, xa, noise.num_samples, num_frames)
     warn_truncated(text_info)
@@ -421,14 +428,13 @@ def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: 
 def launched_rank(job: GenerateJob) -> dict[str, Any]:
     """Entry point of a rank started by `launch_local` or torchrun: joins the world from
     the environment (Gloo on CPU, NCCL on GPU with device LOCAL_RANK; on CPU
-    ``cpu_count // LOCAL_WORLD_SIZE`` torch threads), with ``job.timeout_s`` bounding every
-    collective, runs `run_job` and tears the groups down."""
+    `set_rank_threads`: the available cores // LOCAL_WORLD_SIZE torch threads), with
+    ``job.timeout_s`` bounding every collective, runs `run_job` and tears the groups down."""
     env = torchrun_env()
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
     interrupt_once()
-    if not torch.cuda.is_available():  # on CUDA, `initialize` makes cuda:LOCAL_RANK current
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    set_rank_threads(env.local_world_size)  # on CUDA `initialize` makes cuda:LOCAL_RANK current
     ctx = ParallelContext.initialize(job.parallel, timeout=timedelta(seconds=job.timeout_s))
     store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
     try:

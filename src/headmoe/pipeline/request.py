@@ -18,13 +18,11 @@ from typing import Any
 
 import torch
 
-from headmoe.config import is_int, is_number
+from headmoe.config import DTYPES, is_int, is_number
 from headmoe.errors import Refusal
 from headmoe.pipeline.sampler import SAMPLERS
 from headmoe.pipeline.seeding import SEED_LIMIT
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""The transformer dtypes headmoe runs, by name (the one dtype table)."""
 #: where the initial noise is drawn: "cpu" (every layout and device gives the same bytes)
 #: or "cuda" (the reference's CUDA generator: values depend on the GPU model)
 NOISE_DEVICES: tuple[str, ...] = ("cpu", "cuda")

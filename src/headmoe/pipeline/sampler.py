@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from headmoe.config import is_int
+from headmoe.config import is_int, is_number
 
 #: sampler names: the released UniPC is the only one (`--sampler`)
 SAMPLERS: tuple[str, ...] = ("unipc",)
@@ -90,8 +90,7 @@ def released_schedule(num_steps: int, shift: float = 7.0,
     ``num_train_timesteps < 2``."""
     if not is_int(num_steps) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
-    if isinstance(shift, bool) or not isinstance(shift, int | float) \
-            or not math.isfinite(shift) or shift <= 0:
+    if not is_number(shift) or not math.isfinite(shift) or shift <= 0:
         raise ValueError(f"shift must be a positive number, got {shift!r}")
     if not is_int(num_train_timesteps) or num_train_timesteps < 2:
         raise ValueError(f"num_train_timesteps must be an int >= 2, got {num_train_timesteps!r}")

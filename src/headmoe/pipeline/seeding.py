@@ -15,6 +15,8 @@ import struct
 import numpy as np
 import torch
 
+from headmoe.config import is_int
+
 SEED_LIMIT = 1 << 63
 """Seeds are integers in [0, SEED_LIMIT)."""
 _N = 624
@@ -55,7 +57,7 @@ def _init_by_array(key: list[int]) -> list[int]:
 
 def check_seed(seed: object, name: str = "seed") -> int:
     """``seed`` if it is an int in [0, 2**63); else `ValueError` naming ``name``."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+    if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"{name} must be an integer in [0, 2**63), got {seed!r}")
     return seed
 

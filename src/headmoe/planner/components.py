@@ -11,8 +11,9 @@ folder's `TINY_SPEC`) or "magi2-preview" (released decoder configs; for the text
 ``text_encoder/config.json`` replaces).
 
 Placement (`component_bytes_per_rank`): the text encoder on every node's first rank, the
-decoders on every output rank (a DP group's rank with SP, CFG and TP coordinates 0); with
-``offload`` none of them stays on the device between uses.
+decoders on every output rank (a DP group's rank with SP, CFG and TP coordinates 0), the
+image-to-video encoder (the Wan2.2 VAE's encoder half, fp32) on rank 0; with ``offload``
+none of them stays on the device between uses.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from functools import cache
 import torch
 
 from headmoe.distributed.topology import Topology
+from headmoe.pipeline.placement import IMAGE_RANK, is_output_coords
 
 #: Qwen3.5-27B text model sizes used when no release folder is given (MAGI2.md section 7:
 #: 5120-d features); the folder's config.json is the authority when there is one
@@ -43,6 +45,8 @@ class ComponentBytes:
     text_encoder: int
     video_decoder: int
     audio_decoder: int
+    image_encoder: int = 0
+    """Image-to-video: the Wan2.2 encoder half (fp32), on rank 0 only (0: no image)."""
 
     @property
     def decoders(self) -> int:
@@ -95,14 +99,31 @@ def _video_bytes(source: str, video_decoder: str) -> int:
             cfg = turbo_vae.TurboVAEConfig.from_json(
                 os.path.join(source, release.TURBO_DIR, turbo_vae.CONFIG_FILE))
         return _nbytes(turbo_vae.build_turbo_vae(cfg), torch.bfloat16)
-    if source in ("tiny", "magi2-preview"):
+    return _nbytes(wan_vae.build_wan_vae(_wan_config(source)), torch.bfloat16)
+
+
+def _wan_config(source: str) -> dict | None:
+    """The ``AutoencoderKLWan`` config of ``source``'s ``vae/`` (None: the released one)."""
+    from headmoe.release import folder as release
+    from headmoe.release import wan_vae
+
+    if source == "tiny":
         v = release.TINY_SPEC["vae"]
-        cfg = dict(wan_vae.RELEASED_CONFIG, base_dim=v["base_dim"],
-                   decoder_base_dim=v["decoder_base_dim"]) if source == "tiny" else None
-    else:
-        path = os.path.join(source, release.WAN_DIR, wan_vae.CHECKPOINT_FILE)
-        cfg = wan_vae.config_for(wan_vae.read_tensors(path), path)
-    return _nbytes(wan_vae.build_wan_vae(cfg), torch.bfloat16)
+        return dict(wan_vae.RELEASED_CONFIG, base_dim=v["base_dim"],
+                    decoder_base_dim=v["decoder_base_dim"])
+    if source == "magi2-preview":
+        return None
+    path = os.path.join(source, release.WAN_DIR, wan_vae.CHECKPOINT_FILE)
+    return wan_vae.config_for(wan_vae.read_tensors(path), path)
+
+
+def _image_encoder_bytes(source: str) -> int:
+    """The encoder and ``quant_conv`` of the Wan2.2 VAE in fp32, as `load_wan_encoder`."""
+    from headmoe.release import wan_vae
+
+    vae = wan_vae.build_wan_vae(_wan_config(source))
+    return sum(_nbytes(getattr(vae, p.rstrip(".")), torch.float32)
+               for p in wan_vae.ENCODER_PARTS)
 
 
 def _audio_bytes(source: str) -> int:
@@ -123,11 +144,13 @@ def _audio_bytes(source: str) -> int:
 
 
 @cache
-def component_bytes(source: str, video_decoder: str = "turbo") -> ComponentBytes:
-    """`ComponentBytes` for ``source``: "tiny", "magi2-preview" or a release folder path."""
+def component_bytes(source: str, video_decoder: str = "turbo",
+                    image: bool = False) -> ComponentBytes:
+    """`ComponentBytes` for ``source``: "tiny", "magi2-preview" or a release folder path
+    (``image``: with the image-to-video encoder)."""
     cfg, dtype = _text_config(source)
     return ComponentBytes(_text_bytes(cfg, dtype), _video_bytes(source, video_decoder),
-                          _audio_bytes(source))
+                          _audio_bytes(source), _image_encoder_bytes(source) if image else 0)
 
 
 def component_bytes_per_rank(topo: Topology, parts: ComponentBytes, ranks_per_node: int,
@@ -140,6 +163,7 @@ def component_bytes_per_rank(topo: Topology, parts: ComponentBytes, ranks_per_no
     for rank in range(topo.world_size):
         c = topo.coords(rank)
         held = parts.text_encoder if rank % ranks_per_node == 0 else 0
-        held += parts.decoders if (c.sp, c.cfg) == (0, 0) else 0
+        held += parts.decoders if is_output_coords(c) else 0
+        held += parts.image_encoder if rank == IMAGE_RANK else 0
         out.append(0 if offload else held)
     return tuple(out)

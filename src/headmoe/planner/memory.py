@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headmoe.config import ParallelConfig
+from headmoe.config import GIB, ParallelConfig
 from headmoe.distributed.sharding import head_shard
 from headmoe.distributed.topology import Topology
 from headmoe.models.magi2.config import Magi2Config
@@ -43,7 +43,6 @@ from headmoe.planner.predict import (
 )
 from headmoe.planner.request import RequestShape
 
-GIB = 1 << 30
 LOAD_BATCH_BYTES = 1 << 30
 #: live copies of the state / MLP activations / attention tensors in one layer (bounds)
 STATE_COPIES, MLP_COPIES, ATTENTION_COPIES = 6, 3, 6
@@ -104,6 +103,17 @@ def stream_estimate(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch
         settings.slots, len(resident), len(streamed),
         weight_bytes(model, ep_size, ep_rank, dtype)[1] - layers,
         sum(per_layer[i][0] for i in resident), slots, moved, slots)
+
+
+def streamed_counts(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch.dtype,
+                    settings: StreamSettings, forwards: int) -> list[int]:
+    """The bytes `Counters.record_stream` records on EP rank `ep_rank` over `forwards`
+    forwards, one entry per streamed layer run on a fresh fill: every streamed layer every
+    forward, or the first forward only when the slots hold every streamed layer."""
+    _, streamed = split_layers(model.num_layers, settings.resident_layers)
+    per_layer = layer_bytes(model, ep_size, ep_rank, dtype)
+    once = [per_layer[i][0] for i in streamed]
+    return once * (forwards if len(streamed) > settings.slots else min(forwards, 1))
 
 
 def busiest_stream(model: Magi2Config, parallel: ParallelConfig, dtype: torch.dtype,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from headmoe.config import ParallelConfig, is_int
+from headmoe.config import GIB, ParallelConfig, is_int
 from headmoe.distributed.counters import Counters
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.planner.components import ComponentBytes, component_bytes_per_rank
@@ -30,8 +30,6 @@ from headmoe.planner.predict import (
     weight_bytes,
 )
 from headmoe.planner.request import RequestShape
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,15 @@ import torch
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.counters import Counters
-from headmoe.distributed.exchange import ExchangeWorkspace, HeadLayout
+from headmoe.distributed.exchange import ExchangeWorkspace, HeadLayout, gathered_bytes
 from headmoe.distributed.schedule import Collective, Exchange
-from headmoe.distributed.sharding import sp_token_counts
+from headmoe.distributed.sharding import head_shard, sp_token_counts
 from headmoe.distributed.topology import AXES, Topology, plan_topology
 from headmoe.models.magi2.config import Magi2Config, validate_parallel
 from headmoe.models.magi2.model import Magi2Layer, Magi2Transformer, MoEMLP
 from headmoe.models.magi2.schedule import forward_schedule
 from headmoe.models.streaming import slot_layout
-from headmoe.moe import moe_row_slice, plan_dispatch
+from headmoe.moe import plan_dispatch
 from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
 from headmoe.planner.request import RequestShape
 
@@ -48,12 +48,7 @@ def _all_to_all(layout: HeadLayout, heads: int, width: int, nbytes: int,
     to head shards (scatter); otherwise back (gather)."""
     if layout.world_size == 1 or layout.total_tokens == 0:
         return None
-    per_token = heads // layout.shards * width * nbytes
-    out = [n * per_token for n in layout.send_counts]
-    back = [n * per_token for n in layout.owned_counts]
-    sent, got = (out, back) if to_heads else (back, out)
-    me = layout.rank
-    return sum(sent) - sent[me], sum(got) - got[me]
+    return layout.moved_bytes(heads // layout.shards * width * nbytes, to_heads)
 
 
 def sequence_branches(parallel: ParallelConfig, cfg_rank: int) -> tuple[int, ...]:
@@ -94,11 +89,12 @@ def moe_placement(model: Magi2Config, topo: Topology, rank: int,
     """Where a MoE layer's rows go on `rank`, given the SP token counts `counts` (the MoE
     layer's own `plan_dispatch` and `moe_row_slice`)."""
     c = topo.coords(rank)
-    e, n = topo.expert_parallel_size, model.moe_num_experts
+    e = topo.expert_parallel_size
     axis, layout = plan_dispatch(topo.config.moe_exchange, counts, c.sp, e,
                                  EXPERTS_BATCH_INVARIANT)
-    start, stop, local = moe_row_slice(model.moe_num_heads, n, e, c.ep)
-    return MoEPlacement(layout, f"{axis}_group", local // n * e, local // n, (stop - start) // n)
+    shard = head_shard(model.moe_num_heads, e, c.ep)
+    return MoEPlacement(layout, f"{axis}_group", shard.padded_heads, shard.per_rank,
+                        shard.real_heads)
 
 
 def forward_counters(model: Magi2Config, request: RequestShape, parallel: ParallelConfig,
@@ -129,9 +125,9 @@ def forward_counters(model: Magi2Config, request: RequestShape, parallel: Parall
 def _collective_bytes(step: Collective, nbytes: int) -> tuple[int, int]:
     """(bytes sent, bytes received) of one scheduled collective on its rank."""
     if step.kind == Exchange.SP_OUTPUT_GATHER:  # all-gather of shards padded to the largest
-        moved = (len(step.token_counts) - 1) * max(step.token_counts) * step.width * nbytes
+        moved = gathered_bytes(step.token_counts, step.width, nbytes)
         return moved, moved
-    layout = HeadLayout(step.token_counts, step.rank, step.replica_counts)
+    layout = step.layout
     to_heads = step.kind in (Exchange.ULYSSES_IN, Exchange.MOE_SCATTER)
     rec = _all_to_all(layout, step.heads, step.width, nbytes, to_heads)
     assert rec is not None, step  # the schedule lists issued collectives only

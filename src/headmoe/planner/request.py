@@ -27,6 +27,9 @@ class RequestShape:
     video_latent: tuple[int, int, int]
     audio_tokens: int
     text_tokens: tuple[int, int]
+    image_tokens: int = 0
+    """Image-to-video: the rows the reference image adds to each branch (special token and
+    latent grid, `headmoe.models.magi2.packing.image_rows`); 0 for text-to-video."""
 
     def __post_init__(self) -> None:
         for name, values, n in (("video_latent", self.video_latent, 3),
@@ -36,9 +39,10 @@ class RequestShape:
             for v in values:
                 if not is_int(v) or v < 0:
                     raise ValueError(f"{name} must hold non-negative ints, got {values!r}")
-        a = self.audio_tokens
-        if not is_int(a) or a < 0:
-            raise ValueError(f"audio_tokens must be a non-negative int, got {a!r}")
+        for name in ("audio_tokens", "image_tokens"):
+            a = getattr(self, name)
+            if not is_int(a) or a < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {a!r}")
         if self.branch_tokens(0) == 0 or self.branch_tokens(1) == 0:
             raise ValueError(f"every branch needs at least one token, got {self!r}")
 
@@ -64,8 +68,10 @@ class RequestShape:
 
     def branch_tokens(self, branch: int) -> int:
         """Tokens of branch 0 (conditional) or 1 (unconditional)."""
-        return self.video_tokens + self.audio_tokens + self.text_tokens[branch]
+        return (self.video_tokens + self.audio_tokens + self.text_tokens[branch]
+                + self.image_tokens)
 
     def to_dict(self) -> dict[str, object]:
         return {"video_latent": list(self.video_latent), "video_tokens": self.video_tokens,
-                "audio_tokens": self.audio_tokens, "text_tokens": list(self.text_tokens)}
+                "audio_tokens": self.audio_tokens, "text_tokens": list(self.text_tokens),
+                "image_tokens": self.image_tokens}

@@ -258,6 +258,20 @@ def folder_config(folder: str | os.PathLike) -> tuple[OobleckConfig, str]:
                                            cfg_path), path
 
 
+#: the decoder configuration keys headmoe reads (`OobleckConfig.from_model_config`)
+DECODER_KEYS = frozenset({"channels", "c_mults", "strides", "latent_dim", "out_channels",
+                          "use_snake", "final_tanh"})
+
+
+def unused_entries(folder: str | os.PathLike) -> list[str]:
+    """``"<file>: <keys>"`` when the decoder configuration of ``model_config.json`` has keys
+    headmoe does not use (warned about and recorded, not refused)."""
+    data = read_json(os.path.join(os.fspath(folder), CONFIG_FILE), "stable-audio config")
+    cfg = data["model"]["pretransform"]["config"]["decoder"]["config"]
+    unused = sorted(k for k in cfg if k not in DECODER_KEYS)
+    return [f"{CONFIG_FILE} decoder config: {', '.join(unused)}"] if unused else []
+
+
 def check_oobleck_decoder(folder: str | os.PathLike) -> OobleckConfig:
     """Check a ``stable-audio-open-1.0/`` folder as `load_oobleck_decoder` would, reading
     only ``model_config.json`` and the safetensors header; returns the decoder

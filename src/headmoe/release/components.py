@@ -5,6 +5,7 @@ with its model config)."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from headmoe.models.magi2 import (
 )
 from headmoe.models.magi2.loading import stream_layers
 from headmoe.models.refiner import Magi2Refiner, load_refiner
+from headmoe.models.refiner.loading import stream_refiner
 from headmoe.pipeline.health import watch_layers
 from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.refine import Refiner
@@ -53,6 +55,15 @@ class Magi2Denoiser:
         return [(o.video, o.audio) for o in self.model(list(branches))]
 
 
+def _progress(ctx: ParallelContext, job: GenerateJob):
+    """A function printing one ``headmoe: ...`` start-up line on stderr, on rank 0 of a job
+    with a progress bar only (so that the seconds before the bar are not silent)."""
+    def say(text: str) -> None:
+        if job.progress and ctx.rank == 0:
+            print(f"headmoe: {text}", file=sys.stderr, flush=True)
+    return say
+
+
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
@@ -60,6 +71,9 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     each node's first rank, decoders on the output rank, image encoder on rank 0) or the
     stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config
+    say = _progress(ctx, job)
+    say(f"building the transformer ({cfg.num_layers} layers) and loading its weights on "
+        f"{ctx.world_size} rank(s)")
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
             cfg, ctx, job.request.torch_dtype, job.checkpoint,
@@ -74,6 +88,7 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
         watch_layers(model)
     if job.release is not None:
         timeout = timedelta(seconds=job.timeout_s)
+        say("loading the text encoder and the video and audio decoders")
         return Components(
             Magi2Denoiser(model),
             placement.node_text_encoder(ctx, job.release, timeout),
@@ -95,11 +110,17 @@ def refiner_component(ctx: ParallelContext, job: GenerateJob, preview: Any) -> R
     """The release's refiner (``refiner/``) on ``ctx``'s SP groups, in the request's dtype,
     loaded on the device, or on the host with ``--offload`` (`Refiner` moves it to the
     device for the stage and ``preview``, the resident preview transformer or None when its
-    layers stream, to the host meanwhile)."""
+    layers stream, to the host meanwhile); with ``job.offload_layers`` its layers stream
+    (`stream_refiner`) and nothing moves."""
     release = job.release
     if release.refiner is None:
         raise ValueError(f"refiner_height / refiner_width need a release folder with "
                          f"refiner/, and {release.root!r} has none")
+    if job.offload_layers:  # its layers stream too (all 30: --resident-layers is the preview's)
+        model, streamer = stream_refiner(release.refiner_config, ctx, job.request.torch_dtype,
+                                         release.refiner, timeout_s=job.timeout_s)
+        model.streamer = streamer
+        return Refiner(model.eval(), preview, ctx.device, False)
     device = placement.load_device(ctx.device, release.offload)
     with torch.device(device):
         model = Magi2Refiner(release.refiner_config, ctx, dtype=job.request.torch_dtype)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.files import atomic_folder, entry_problem
+from headmoe.models.magi2.loading import INDEX_SUFFIX
 
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
@@ -42,7 +43,10 @@ MODEL_CONFIG = "config.json"
 VIDEO_DECODERS: tuple[str, ...] = ("turbo", "wan2.2")
 #: folder of each video decoder
 VIDEO_DECODER_DIRS = {"turbo": TURBO_DIR, "wan2.2": WAN_DIR}
-INDEX_SUFFIX = ".safetensors.index.json"
+#: printed whenever the embedded tiny release runs: its weights are random
+RANDOM_WEIGHTS_NOTE = ("note: --model tiny is the embedded tiny release with random weights, "
+                       "so the video is coloured noise and the audio is noise; pass a MAGI-2 "
+                       "release folder with --model PATH for real output")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class Release:
     """The refiner checkpoint under ``refiner/`` (None: the folder has no refiner)."""
     refiner_config: Any = None
     """Its `Magi2RefinerConfig`."""
+    unused: tuple[str, ...] = ()
+    """Component file entries headmoe does not read (`unused_entries`; set by the caller of
+    `check_release`, recorded in the sidecar)."""
 
     def describe(self) -> dict[str, Any]:
         """What the sidecar records about the folder."""
@@ -80,7 +87,22 @@ class Release:
             "offload": self.offload,
             "image_encoder": self.image_encoder,
             "refiner": self.refiner,
+            "unused_entries": list(self.unused),
         }
+
+
+def unused_entries(release: Release) -> list[str]:
+    """Entries of the component files ``release`` uses that headmoe does not read (extra
+    keys of the TurboV3 and stable-audio JSON, training-only state of ``checkpoint.ckpt``),
+    each ``"<folder>/<file>: <entries>"``. The reference ignores them: headmoe warns and
+    records them (`Release.unused`, the sidecar) instead of refusing the folder."""
+    from headmoe.release import audio_vae, turbo_vae
+
+    out = []
+    if release.video_decoder == "turbo":
+        out += [f"{TURBO_DIR}/{e}" for e in turbo_vae.unused_entries(release.video_decoder_path)]
+    out += [f"{AUDIO_DIR}/{e}" for e in audio_vae.unused_entries(release.audio_decoder)]
+    return out
 
 
 def is_release_folder(path: str | os.PathLike) -> bool:

@@ -42,10 +42,15 @@ HOST = torch.device("cpu")
 OK, FAILED = 0, 1
 
 
+def is_output_coords(coords: Any) -> bool:
+    """The writer of its DP group: the rank at SP and CFG coordinates 0 (the one home of
+    this rule: the job, the placement of the decoders and the planner ask it)."""
+    return (coords.sp, coords.cfg) == (0, 0)
+
+
 def is_output_rank(ctx: ParallelContext) -> bool:
-    """The writer of its DP group: SP, CFG and TP coordinates 0."""
-    c = ctx.coords
-    return (c.sp, c.cfg) == (0, 0)
+    """`is_output_coords` of this rank."""
+    return is_output_coords(ctx.coords)
 
 
 #: torch threads of a component call on a CPU rank (see `Placed.use`)

@@ -74,7 +74,7 @@ def _text_config(folder: str):
     return cfg
 
 
-def _weight_files(folder: str) -> dict[str, str]:
+def weight_files(folder: str) -> dict[str, str]:
     """name -> safetensors file, from ``model.safetensors`` or its ``.index.json`` (every
     shard a regular file inside the folder: `headmoe.files.index_map`)."""
     check_entries(folder, f"text encoder folder {folder!r}: file")
@@ -102,7 +102,7 @@ def _skeleton(folder: str, cfg) -> tuple[object, dict[str, str]]:
     cheap layer-count check."""
     from transformers import Qwen3_5TextModel
 
-    where = _weight_files(folder)
+    where = weight_files(folder)
     _check_layer_count(folder, cfg, where)
     with torch.device("meta"):
         return Qwen3_5TextModel(cfg), where

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -35,15 +34,8 @@ from headmoe.release.weights import check_tensors, read_tensors
 
 CONFIG_FILE = "TurboV3-Wan22-TinyShallow_7_7.json"
 CHECKPOINT_FILE = "checkpoint.ckpt"
-# Training-only json keys (absorbed by the reference's **kwargs) and checkpoint tensors.
-TRAINING_ONLY_KEYS = (
-    "aligned_feature_projection_mode",
-    "aligned_feature_projection_dim",
-    "aligned_blks_indices",
-)
-TRAINING_ONLY_TENSOR = re.compile(
-    r"aligned_feature_projection_heads\.\d+\.\d+\.conv\.(weight|bias)"
-)
+# The release's files carry training-only json keys (absorbed by the reference's **kwargs)
+# and checkpoint tensors (aligned_feature_projection_*): `unused_entries` reports them.
 FINAL_NORM_EPS = 1e-8  # norm1, norm2 and the final norm; norm3 (shortcut) uses resnet_norm_eps
 
 
@@ -93,15 +85,18 @@ class TurboVAEConfig:
                 )
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object], source: str = "config") -> TurboVAEConfig:
-        """Build from a json dict: known fields are used, training-only and ``_``-prefixed
-        keys ignored, anything else refused with its name."""
+    def unused_keys(cls, data: Mapping[str, object]) -> list[str]:
+        """The keys of a json dict headmoe does not use (training-only ones included, not
+        ``_``-prefixed ones): the reference ignores them, so headmoe warns and records them
+        (`headmoe.release.folder.unused_entries`) instead of refusing the file."""
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(
-            k for k in data if k not in names and k not in TRAINING_ONLY_KEYS and k[0] != "_"
-        )
-        if unknown:
-            raise ValueError(f"{source}: unknown TurboV3 config keys: {', '.join(unknown)}")
+        return sorted(k for k in data if k not in names and not k.startswith("_"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object], source: str = "config") -> TurboVAEConfig:
+        """Build from a json dict: known fields are used, the others (`unused_keys`)
+        ignored; an unsupported value of a known field is refused naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names}
         return cls(**kw)
 
@@ -333,27 +328,48 @@ def turbo_state_dict(raw: Mapping[str, object], source: str) -> tuple[dict[str, 
 
     ``raw`` is a file's top-level dict: ``{"ema_state_dict": ...}`` (preferred, as the
     release's loader does), ``{"state_dict": ...}``, or a flat name -> tensor dict. Names are
-    ``module.decoder.*`` or ``decoder.*``; the training-only projection heads are dropped by
-    name; anything else is refused (`ValueError` with the names)."""
+    ``module.decoder.*`` or ``decoder.*``; every other entry (the training-only projection
+    heads, optimizer state, ...) is not used, as by the reference (`unused_state`)."""
+    raw = _decoder_dict(raw)
+    prefix = "module." if any(k.startswith("module.") for k in raw) else ""
+    state = {name.removeprefix("module."): value for name, value in raw.items()
+             if _is_decoder_tensor(name, value)}
+    return state, prefix
+
+
+def _decoder_dict(raw: Mapping[str, object]) -> Mapping[str, object]:
     for key in ("ema_state_dict", "state_dict"):
         if isinstance(raw.get(key), Mapping):
-            raw = raw[key]  # type: ignore[assignment]
-            break
-    state, refused = {}, []
-    prefix = "module." if any(k.startswith("module.") for k in raw) else ""
-    for name, value in raw.items():
-        bare = name.removeprefix("module.")
-        if TRAINING_ONLY_TENSOR.fullmatch(bare):
-            continue
-        if not bare.startswith("decoder.") or not isinstance(value, torch.Tensor):
-            refused.append(name)
-            continue
-        state[bare] = value
-    if refused:
-        raise ValueError(
-            f"{source}: unexpected entries (not decoder tensors): {', '.join(refused)}"
-        )
-    return state, prefix
+            return raw[key]  # type: ignore[return-value]
+    return raw
+
+
+def _is_decoder_tensor(name: str, value: object) -> bool:
+    return name.removeprefix("module.").startswith("decoder.") and isinstance(value, torch.Tensor)
+
+
+def unused_state(raw: Mapping[str, object]) -> list[str]:
+    """The entries of a TurboV3 checkpoint object headmoe does not use: top-level keys
+    beside the state dict it reads and that dict's entries that are not decoder tensors
+    (training-only state); warned about and recorded, not refused."""
+    state = _decoder_dict(raw)
+    outer = [k for k in raw if raw.get(k) is not state] if state is not raw else []
+    return outer + [k for k, v in state.items() if not _is_decoder_tensor(k, v)]
+
+
+def unused_entries(folder: str | os.PathLike) -> list[str]:
+    """``"<file>: <entries>"`` for each file of a ``turbo_vae/`` folder with entries headmoe
+    does not use (`TurboVAEConfig.unused_keys`, `unused_state`); the checkpoint is
+    memory-mapped, no weight is copied."""
+    folder = os.fspath(folder)
+    out = []
+    keys = TurboVAEConfig.unused_keys(read_json(os.path.join(folder, CONFIG_FILE),
+                                                "TurboV3 config"))
+    entries = unused_state(read_tensors(os.path.join(folder, CHECKPOINT_FILE)))
+    for name, unused in ((CONFIG_FILE, keys), (CHECKPOINT_FILE, entries)):
+        if unused:
+            out.append(f"{name}: {', '.join(map(str, unused))}")
+    return out
 
 
 def build_turbo_vae(cfg: TurboVAEConfig | None = None, device: str = "meta") -> TurboV3:

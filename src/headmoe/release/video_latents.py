@@ -46,39 +46,36 @@ def latent_stats() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def denormalize(z: torch.Tensor, channel_dim: int = 1) -> torch.Tensor:
-    """``z / (1/std) + mean`` per channel along ``channel_dim`` (48 wide), in ``z``'s dtype.
-
-    The reciprocal is taken once in float32 and the arithmetic runs in float32, as the
-    release's decoders do (``self.scale = [mean, 1/std]``); this equals ``z * std + mean``
-    to rounding (<= 4e-6 on decoded frames)."""
-    if z.shape[channel_dim] != LATENT_CHANNELS:
+def _scale(x: torch.Tensor, channel_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mean, 1/std)`` float32, shaped to broadcast along ``channel_dim`` of ``x`` (which
+    must be 48 wide there), on ``x``'s device; the reciprocal taken once in float32, as the
+    release's ``scale = [mean, 1/std]``."""
+    if x.shape[channel_dim] != LATENT_CHANNELS:
         raise ValueError(
-            f"latent has {z.shape[channel_dim]} channels on dim {channel_dim}, "
+            f"latent has {x.shape[channel_dim]} channels on dim {channel_dim}, "
             f"expected {LATENT_CHANNELS}"
         )
     mean, std = latent_stats()
-    view = [1] * z.dim()
+    view = [1] * x.dim()
     view[channel_dim] = LATENT_CHANNELS
-    inv = (1.0 / std).view(view).to(z.device)
-    out = z.float() / inv + mean.view(view).to(z.device)
-    return out.to(z.dtype)
+    return mean.view(view).to(x.device), (1.0 / std).view(view).to(x.device)
+
+
+def denormalize(z: torch.Tensor, channel_dim: int = 1) -> torch.Tensor:
+    """``z / (1/std) + mean`` per channel along ``channel_dim`` (48 wide), in ``z``'s dtype.
+
+    The arithmetic runs in float32, as the release's decoders do; this equals
+    ``z * std + mean`` to rounding (<= 4e-6 on decoded frames)."""
+    mean, inv = _scale(z, channel_dim)
+    return (z.float() / inv + mean).to(z.dtype)
 
 
 def normalize(mu: torch.Tensor, channel_dim: int = 1) -> torch.Tensor:
     """``(mu - mean) * (1/std)`` per channel along ``channel_dim`` in float32, as the
-    release's encoder normalises its posterior mean (``scale = [mean, 1/std]``); the inverse
-    of `denormalize` to rounding."""
-    if mu.shape[channel_dim] != LATENT_CHANNELS:
-        raise ValueError(
-            f"latent has {mu.shape[channel_dim]} channels on dim {channel_dim}, "
-            f"expected {LATENT_CHANNELS}"
-        )
-    mean, std = latent_stats()
-    view = [1] * mu.dim()
-    view[channel_dim] = LATENT_CHANNELS
-    inv = (1.0 / std).view(view).to(mu.device)
-    return (mu.float() - mean.view(view).to(mu.device)) * inv
+    release's encoder normalises its posterior mean; the inverse of `denormalize` to
+    rounding."""
+    mean, inv = _scale(mu, channel_dim)
+    return (mu.float() - mean) * inv
 
 
 def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:

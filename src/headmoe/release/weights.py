@@ -8,6 +8,7 @@ all missing, unexpected and mis-shaped tensors by name before anything is loaded
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
 import torch
@@ -41,8 +42,11 @@ def read_tensors(path: str | os.PathLike) -> dict[str, object]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # pickle with non-tensor objects, truncated file, ...
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        why = (f"it needs the Python global {found.group(1)}, which torch {torch.__version__} "
+               "refuses to unpickle" if found else " ".join(str(exc).split())[:300])
         raise ValueError(
-            f"checkpoint {path!r} cannot be read with torch.load(weights_only=True): {exc}; "
+            f"checkpoint {path!r} cannot be read with torch.load(weights_only=True): {why}; "
             "headmoe never unpickles arbitrary objects: save its state dict alone "
             "(or as safetensors)"
         ) from exc

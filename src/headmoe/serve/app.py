@@ -4,8 +4,10 @@ Endpoints (JSON unless stated; errors are ``{"error": {"message", "type", "param
 "code"}}``):
 
 - ``POST /v1/videos``: validate (`headmoe.serve.validate`) and queue; the job object,
-  ``status: "queued"``. 400 malformed body, 422 a bad field (named with its value), 429
-  queue full, 503 draining.
+  ``status: "queued"``. 400 malformed body, 413 too large (body, or an image over its byte
+  cap), 422 a bad field (named with its value), 429 queue full, 503 draining. JSON, or
+  ``multipart/form-data`` with an image-to-video file in ``input_reference``; a JSON body
+  carries the image as a base64 data URL in ``image`` (`headmoe.serve.images`).
 - ``POST /v1/videos/sync``: the same, then waits and returns the mp4 (``video/mp4``, headers
   ``X-Video-Id``, ``X-Video-Sha256``, ``X-Audio-Sha256``); a failed job gives 500, a
   cancelled one 409.
@@ -25,10 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
+from headmoe.serve import images
 from headmoe.serve.http import BODY_TIMEOUT_S
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import Draining, Job, JobStore, QueueFull
@@ -89,18 +94,18 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
     return app
 
 
-async def _read_body(request: Request) -> bytes:
-    """The body: at most `MAX_BODY` bytes (413), all of it within `BODY_TIMEOUT_S` (408)."""
+async def _read_body(request: Request, limit: int = MAX_BODY) -> bytes:
+    """The body: at most ``limit`` bytes (413), all of it within `BODY_TIMEOUT_S` (408)."""
     declared = request.headers.get("content-length", "0")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise RequestError(f"the body has {declared} bytes, more than {MAX_BODY}", None, 413)
+    if declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"the body has {declared} bytes, more than {limit}", None, 413)
     raw = bytearray()
 
     async def read() -> None:
         async for chunk in request.stream():
             raw.extend(chunk)
-            if len(raw) > MAX_BODY:
-                raise RequestError(f"the body has more than {MAX_BODY} bytes", None, 413)
+            if len(raw) > limit:
+                raise RequestError(f"the body has more than {limit} bytes", None, 413)
 
     try:
         await asyncio.wait_for(read(), BODY_TIMEOUT_S)
@@ -110,11 +115,35 @@ async def _read_body(request: Request) -> bytes:
     return bytes(raw)
 
 
+async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, Any]:
+    """The admitted request (`admit_body`) and its I2V `ReferenceImage` (or None) of a JSON
+    or multipart body (`headmoe.serve.images`)."""
+    raw = await _read_body(request, MAX_BODY + images.MAX_IMAGE_FIELD + (64 << 10))
+    if images.is_multipart(request.headers.get("content-type", "")):
+        raw, data = await images.split_multipart(request.headers, raw)
+        param = images.FILE_FIELD
+    else:
+        raw, data = images.split_json_image(raw)
+        param = images.URL_FIELD
+    if len(raw) > MAX_BODY:
+        raise RequestError(f"the body has more than {MAX_BODY} bytes besides its image", None,
+                           413)
+    admitted = admit_body(parse_body(raw), spec, image=data is not None)
+    req = admitted.request
+    if data is None:
+        return admitted, None
+    if spec.release is None or spec.release.image_encoder is None:
+        raise RequestError(f"{param}: this server's model has no image encoder (a release "
+                           "folder's vae/Wan2.2_VAE.pth)", param)
+    image = await run_in_threadpool(images.prepare_request_image, data, req.height, req.width,
+                                    param)
+    return admitted, image
+
+
 async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
     try:
-        raw = await _read_body(request)
-        admitted = admit_body(parse_body(raw), spec)
-        job = store.submit(admitted.request, admitted.describe())
+        admitted, image = await _request_and_image(request, spec)
+        job = store.submit(admitted.request, admitted.describe(), image)
     except RequestError as exc:
         store.reject(str(exc.status))
         raise _Refused(error(exc.status, exc.message, exc.param)) from None

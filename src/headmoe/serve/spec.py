@@ -45,6 +45,9 @@ class ServeSpec:
     for a bare transformer checkpoint with the stand-in encoders (as `generate`)."""
     deployment: Any = None
     """The `headmoe.admission.Deployment` every request is admitted on (rank 0)."""
+    offload_layers: bool = False
+    """Stream the transformer's layers (``--offload-layers``; `GenerateJob`'s field)."""
+    resident_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,8 +69,10 @@ class ServeSpec:
     def world_size(self) -> int:
         return self.parallel.world_size
 
-    def job(self, request: GenerateRequest, output: str | None, extra: dict[str, Any]) -> GenerateJob:
-        """The `GenerateJob` of ``request`` under this deployment (no progress bar)."""
+    def job(self, request: GenerateRequest, output: str | None, extra: dict[str, Any],
+            image: Any = None) -> GenerateJob:
+        """The `GenerateJob` of ``request`` (and its I2V ``image``) under this deployment
+        (no progress bar)."""
         return GenerateJob(
             request,
             self.parallel,
@@ -78,4 +83,7 @@ class ServeSpec:
             progress=False,
             extra=extra,
             release=self.release,
+            image=image,
+            offload_layers=self.offload_layers,
+            resident_layers=self.resident_layers,
         )

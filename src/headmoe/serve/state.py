@@ -65,6 +65,8 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     admission: dict[str, Any] = field(default_factory=dict)
     """`Admitted.describe()`: where each field came from (recorded in the sidecar)."""
+    image: Any = None
+    """Image-to-video: the request's `headmoe.pipeline.image.ReferenceImage` (with pixels)."""
 
 
 class JobStore:
@@ -89,16 +91,17 @@ class JobStore:
         self._step_sum = 0.0
 
     # ------------------------------------------------------------------ HTTP side
-    def submit(self, request: GenerateRequest, admission: dict[str, Any] | None = None) -> Job:
-        """Queue ``request`` as a new job (``admission``: what its sidecar records of its
-        admission); raises `Draining` or `QueueFull`."""
+    def submit(self, request: GenerateRequest, admission: dict[str, Any] | None = None,
+               image: Any = None) -> Job:
+        """Queue ``request`` (with its I2V ``image``) as a new job (``admission``: what its
+        sidecar records of its admission); raises `Draining` or `QueueFull`."""
         with self._lock:
             if self.draining:
                 raise Draining("the server is shutting down and takes no new jobs")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
             job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()),
-                      admission=admission or {})
+                      admission=admission or {}, image=image)
             self._jobs[job.id] = job
             self._queue.append(job.id)
             self._finished["queued"] += 1
@@ -204,6 +207,7 @@ class JobStore:
                 "cancel_requested": job.cancel_requested,
                 "error": None if job.error is None else {"message": job.error},
                 "request": req.to_dict(),
+                "image": None if job.image is None else job.image.describe(),
                 "size": f"{req.width}x{req.height}",
                 "seconds": req.duration_s,
             }

@@ -1,7 +1,7 @@
 """Local ranks of ``headmoe serve`` in spawned processes, watched by the launching process.
 
 `run_local` starts ``world_size`` processes (spawn start method; a file rendezvous in a
-fresh temp folder; on CPU ``cpu_count // world_size`` torch threads each) that run
+fresh temp folder; on CPU `set_rank_threads` gives each its share of the cores) that run
 `headmoe.serve.worker.serve_rank`, then watches them every 0.1 s:
 
 - every rank exited 0 (a drained stop): return 0;
@@ -25,27 +25,25 @@ import time
 import traceback
 from pathlib import Path
 
+from headmoe.distributed.launch import FAILURE_GRACE_S, KILLED, failure_order
 from headmoe.serve.spec import ServeSpec
 
 #: seconds between looks at the ranks
 POLL_S = 0.1
-#: seconds the others get to exit after one rank failed
-FAILURE_GRACE_S = 5.0
 
 
 def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, errors: str) -> None:
     """Spawned rank: run `serve_rank`; on an exception write ``<errors>/rank<k>.txt``
     (time, traceback) and exit 1 (the supervisor prints the traceback of the rank that
     failed first, not the cascade of peers that lost it)."""
-    import torch
 
+    from headmoe.distributed.context import set_rank_threads
     from headmoe.distributed.launch import exit_with_parent
     from headmoe.serve.worker import serve_rank
 
     exit_with_parent()  # a kill -9 of the supervisor ends every rank at once (port freed)
     os.environ["LOCAL_RANK"] = str(rank)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    set_rank_threads(world_size)
     try:
         serve_rank(spec, rank, world_size, init_method, supervised=True)
     except BaseException:  # noqa: BLE001 - the supervisor prints the first failure's
@@ -55,22 +53,26 @@ def rank_main(spec: ServeSpec, rank: int, world_size: int, init_method: str, err
 
 
 def _culprit(procs: list, errors: Path) -> tuple[int, str, str]:
-    """(rank, one-line reason, traceback) of the rank that failed first."""
-    killed = [(r, p.exitcode) for r, p in enumerate(procs)
-              if p.exitcode is not None and p.exitcode < 0]
-    if killed:
-        r, code = killed[0]
-        return r, f"died (killed by signal {-code})", ""
-    recorded = []
+    """(rank, one-line reason, traceback) of the rank that failed first (`failure_order`:
+    killed by a signal, then naming a hung peer, then the earliest recorded exception)."""
+    texts: dict[int, str] = {}
+    times: dict[int, float] = {}
     for f in errors.glob("rank*.txt"):
         when, _, text = f.read_text().partition("\n")
-        recorded.append((float(when), int(f.stem[4:]), text))
-    if recorded:
-        _, r, text = min(recorded)
-        last = text.strip().splitlines()[-1] if text.strip() else "an exception"
-        return r, f"failed: {last}", text
-    r = next(r for r, p in enumerate(procs) if p.exitcode not in (None, 0))
-    return r, f"exited with code {procs[r].exitcode}", ""
+        rank = int(f.stem[4:])
+        texts[rank], times[rank] = text, float(when)
+    for r, p in enumerate(procs):
+        if p.exitcode is not None and p.exitcode < 0:
+            texts[r] = f"{KILLED} {-p.exitcode}"
+            times.pop(r, None)
+        elif p.exitcode not in (None, 0) and r not in texts:
+            texts[r] = f"exited with code {p.exitcode}"
+    r = failure_order(texts, times)[0]
+    text = texts[r]
+    if r not in times:  # killed, or gone without a recorded exception
+        return r, f"died ({text})" if text.startswith(KILLED) else text, ""
+    last = text.strip().splitlines()[-1] if text.strip() else "an exception"
+    return r, f"failed: {last}", text
 
 
 def run_local(spec: ServeSpec, world_size: int) -> int:

@@ -84,16 +84,18 @@ def parse_body(raw: bytes) -> VideoCreate:
         raise RequestError(f"{loc}={show(value)}: {err['msg']}", loc) from None
 
 
-def admit_body(body: VideoCreate, spec: ServeSpec) -> Admitted:
+def admit_body(body: VideoCreate, spec: ServeSpec, image: bool = False) -> Admitted:
     """The admitted request of a parsed body under ``spec`` (the server's deployment and
-    dtype); raises `RequestError` naming the field and its value."""
+    dtype; ``image``: it carries an I2V image); raises `RequestError` naming the field and
+    its value."""
     if body.model is not None and body.model not in (spec.model, spec.model_config.name):
         raise RequestError(
             f"model={body.model!r} is not served here (this server runs {spec.model!r})", "model"
         )
     given = body.model_dump(exclude={"model"}, exclude_none=True)
     try:
-        return admit(given, spec.deployment, GIVEN_BY_REQUEST, fixed={"dtype": spec.dtype})
+        return admit(given, spec.deployment, GIVEN_BY_REQUEST, fixed={"dtype": spec.dtype},
+                     image=image)
     except Refusal as exc:
         raise RequestError(exc.message, exc.field) from None
 

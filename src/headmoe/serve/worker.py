@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.distributed.context import ParallelContext, rank_device
+from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.job import Components, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
@@ -99,7 +100,7 @@ class Leader:
             self.drain_requested = True  # the supervisor is gone: stop now
             self.drain_deadline = time.monotonic()
         if self.drain_requested and not self.store.draining:
-            self.store.start_drain()
+            self._start_drain()
             self.drain_deadline = self.drain_deadline or time.monotonic() + self.spec.drain_timeout_s
         if self.store.draining:
             return {"op": "stop"}
@@ -108,7 +109,15 @@ class Leader:
             return {"op": "idle"}
         self.current, self._last_step = job, time.perf_counter()
         return {"op": "run", "id": job.id, "request": job.request.to_dict(),
-                "admission": job.admission}
+                "admission": job.admission,
+                "image": None if job.image is None else job.image.describe()}
+
+    def _start_drain(self) -> None:
+        self.store.start_drain()
+        running = "" if self.current is None else (
+            f"; the current job gets up to {self.spec.drain_timeout_s:g} s more")
+        print(f"headmoe serve: stopping: no new jobs, queued ones cancelled{running}",
+              file=sys.stderr, flush=True)
 
     def must_stop(self, done: int) -> bool:
         """After step ``done`` of the current job: cancel it now?"""
@@ -116,7 +125,7 @@ class Leader:
         cancel = self.store.record_step(self.current, done, now - self._last_step)
         self._last_step = now
         if self.drain_requested and not self.store.draining:
-            self.store.start_drain()
+            self._start_drain()
             self.drain_deadline = time.monotonic() + self.spec.drain_timeout_s
         late = self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
         return cancel or late
@@ -166,7 +175,10 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     request = GenerateRequest(**cmd["request"])
     extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})},
              "admission": cmd.get("admission", {})}
-    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra)
+    image = None  # rank 0 (the image encoder's) holds the pixels; the others its description
+    if cmd.get("image") is not None:
+        image = leader.current.image if leader else ReferenceImage.from_dict(cmd["image"])
+    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra, image)
     device = ctx.device
 
     def on_step(done: int, total: int) -> None:
@@ -228,6 +240,9 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
             leader.start_http()  # /health says "loading" until the model is in
         t0 = time.perf_counter()
+        if leader is not None:
+            print(f"headmoe serve: loading the model on {world_size} rank(s); /health says "
+                  "loading until it is in", file=sys.stderr, flush=True)
         parts = build_components(ctx, template)
         if leader is not None:
             _announce(leader, time.perf_counter() - t0, ctx)
@@ -236,6 +251,8 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         if leader is not None:
             leader.stop_http()
         ctx.destroy()
+    if leader is not None:
+        print("headmoe serve: stopped", file=sys.stderr, flush=True)
 
 
 def _announce(leader: Leader, load_s: float, ctx: ParallelContext) -> None:

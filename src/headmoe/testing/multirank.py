@@ -28,9 +28,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from headmoe.config import is_int
-
-#: seconds the harness waits for the other ranks once one rank has failed
-FAILURE_GRACE_S = 10.0
+from headmoe.distributed.launch import FAILURE_GRACE_S
 
 
 class RankFailure(RuntimeError):

@@ -2,8 +2,8 @@
 
 All dimensions are plain fields so that planners and memory estimates can read them
 without building the model. `magi2-preview` is the released configuration of MAGI-2
-Preview (../shared/design/MAGI2.md section 1); `Magi2Config.from_dict` reads a model
-configuration in the public schema (the one of ../shared/golden/magi2/config.json).
+Preview (its published config.json, golden/magi2/config.json); `Magi2Config.from_dict` reads a model
+configuration in the public schema (the one of golden/magi2/config.json).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from headmoe.config import ParallelConfig, check_positive_int, is_int, is_number
+from headmoe.config import DTYPES, ParallelConfig, check_positive_int, is_int, is_number
 from headmoe.files import brief
 
 #: modality ids, in packing order ([video | audio | text]); modality-specific weights are
@@ -25,7 +25,7 @@ VIDEO, AUDIO, TEXT = 0, 1, 2
 
 #: `params_dtype` names of the public schema -> torch dtypes (the dtype of the linears and
 #: experts; everything else is fp32)
-PARAMS_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PARAMS_DTYPES: dict[str, torch.dtype] = {"float32": DTYPES["fp32"], "bfloat16": DTYPES["bf16"]}
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,11 @@ class Magi2Config:
         return max(self.video_in_channels, self.audio_in_channels, self.text_in_channels)
 
     @property
+    def out_width(self) -> int:
+        """Columns of the packed output (the larger of the video / audio channels)."""
+        return max(self.video_in_channels, self.audio_in_channels)
+
+    @property
     def torch_params_dtype(self) -> torch.dtype:
         return PARAMS_DTYPES[self.params_dtype]
 
@@ -172,7 +177,7 @@ class Magi2Config:
     # ------------------------------------------------------------------ public schema
     @classmethod
     def from_dict(cls, data: dict[str, Any], name: str = "custom") -> Magi2Config:
-        """A config from the public MAGI-2 schema (../shared/golden/magi2/config.json) or
+        """A config from the public MAGI-2 schema (golden/magi2/config.json) or
         from `to_dict()`'s output. Raises `ValueError` naming unknown, missing, unsupported
         or inconsistent fields."""
         if not isinstance(data, dict):

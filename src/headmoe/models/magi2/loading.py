@@ -2,7 +2,7 @@
 random writer (safetensors only).
 
 A checkpoint holds the full, unsharded tensors of the released transformer (MAGI2.md
-section 4; ../shared/golden/magi2/preview_tensors.tsv for MAGI-2 Preview): linears and
+section 4; golden/magi2/preview_tensors.tsv for MAGI-2 Preview): linears and
 experts in `params_dtype`, everything else in fp32. Names may all carry a `transformer.`
 prefix (a mix of prefixed and bare names is refused). Loading first checks every header
 (names, shapes, dtypes; index files and their shard paths) and refuses the checkpoint
@@ -39,6 +39,7 @@ from headmoe.models.streaming import (
     MappedCheckpoint,
     TensorRead,
     check_slots,
+    layer_index,
     materialise_except,
     split_layers,
 )
@@ -265,12 +266,6 @@ def layer_reads(model: Magi2Transformer, layer_id: int, prefix: str = "") -> lis
     return reads
 
 
-def _layer_id(name: str) -> int | None:
-    """i of a `block.layers.{i}.` tensor name (None for other names)."""
-    parts = name.split(".")
-    return int(parts[2]) if parts[:2] == ["block", "layers"] and parts[2].isdigit() else None
-
-
 def stream_layers(
     config: Magi2Config, context: Any, dtype: torch.dtype, path: str | os.PathLike, *,
     resident_layers: int = 0, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
@@ -287,7 +282,7 @@ def stream_layers(
         model = Magi2Transformer(config, context, dtype=dtype)
     layers = model.block.layers
     materialise_except(model, [layers[i] for i in streamed], context.device)
-    load_checkpoint(model, path, skip=lambda n: _layer_id(n) in streamed)
+    load_checkpoint(model, path, skip=lambda n: layer_index(n) in streamed)
     source = MappedCheckpoint({report.prefix + n: f for n, (f, _, _) in headers.items()})
     reads = {i: layer_reads(model, i, report.prefix) for i in streamed}
     streamer = LayerStreamer(layers, streamed, reads, source, context.device, slots,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headmoe.config import DTYPES
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import (
     ExchangeWorkspace,
@@ -331,7 +332,7 @@ class Magi2Transformer(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        if dtype not in (torch.float32, torch.bfloat16):
+        if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
         context = context if context is not None else ParallelContext.single()
         _validate_parallel(config, context.config)
@@ -342,8 +343,8 @@ class Magi2Transformer(nn.Module):
 
     @property
     def out_width(self) -> int:
-        """Columns of the packed output (the larger of the video / audio channels)."""
-        return max(self.config.video_in_channels, self.config.audio_in_channels)
+        """Columns of the packed output (`Magi2Config.out_width`)."""
+        return self.config.out_width
 
     # ------------------------------------------------------------------ planning
     def plan(self, packed: PackedInputs) -> ForwardPlan:

@@ -9,7 +9,7 @@ coords `(T+2, -1, -1, 1, h, w, 1, h, w)`) and the reference image's `h*w` latent
 their outputs are dropped by `unpack_outputs`. Every table here is a per-row function of the
 row's own coordinates, so any shard of the rows computes the same bits as the whole.
 
-Public tensors (`PackedInputs`), as in ../shared/golden/magi2/*.safetensors `packed.*`:
+Public tensors (`PackedInputs`), as in golden/magi2/*.safetensors `packed.*`:
 
 | name | shape | dtype | meaning |
 |---|---|---|---|
@@ -205,10 +205,16 @@ def _check_branches(branches: Sequence[BranchInput], config: Magi2Config) -> Non
         raise ValueError("branches hold no tokens (video, audio and text all empty)")
 
 
+def image_rows(h_img: int, w_img: int) -> int:
+    """Rows an `h_img x w_img` reference-image latent adds to a branch: the special token
+    and the image grid."""
+    return 1 + h_img * w_img
+
+
 def branch_length(br: BranchInput) -> int:
-    """Packed tokens of one branch: video grid + audio + text (+ 1 + h*w image rows)."""
+    """Packed tokens of one branch: video grid + audio + text (+ `image_rows`)."""
     n = br.video.shape[:3].numel() + br.audio.shape[0] + br.text.shape[0]
-    return n if br.image is None else n + 1 + br.image.shape[:2].numel()
+    return n if br.image is None else n + image_rows(*br.image.shape[:2])
 
 
 def pack_branches(branches: Sequence[BranchInput], config: Magi2Config) -> PackedInputs:

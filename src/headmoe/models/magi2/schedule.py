@@ -4,7 +4,6 @@ SP token counts only. The model executes it; the planner predicts from it."""
 
 from __future__ import annotations
 
-from headmoe.distributed.exchange import HeadLayout
 from headmoe.distributed.schedule import Collective, Exchange, ForwardSchedule
 from headmoe.distributed.sharding import DispatchPlan, HeadShard, dispatch_plan, head_shard
 from headmoe.distributed.topology import Coords, Topology
@@ -41,8 +40,8 @@ def forward_schedule(
             out.append(Collective(Exchange.MOE_SCATTER, layer=layer, **moe))
             out.append(Collective(Exchange.MOE_GATHER, layer=layer, **moe))
     if sp > 1:
-        width = max(config.video_in_channels, config.audio_in_channels)
-        out.append(Collective(Exchange.SP_OUTPUT_GATHER, layer=None, heads=1, width=width,
+        out.append(Collective(Exchange.SP_OUTPUT_GATHER, layer=None, heads=1,
+                              width=config.out_width,
                               fp32=True, **uly))
     return ForwardSchedule(tuple(out), dispatch, _moe_rows(dispatch, shard, counts, coords))
 
@@ -54,5 +53,4 @@ def _moe_rows(dispatch: DispatchPlan | None, shard: HeadShard, counts: tuple[int
         return 0
     if len(counts) == 1:
         return counts[0] * shard.real_heads
-    layout = HeadLayout(dispatch.token_counts, dispatch.rank, dispatch.replica_counts)
-    return layout.owned_tokens * shard.real_heads
+    return dispatch.layout.owned_tokens * shard.real_heads

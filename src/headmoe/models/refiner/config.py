@@ -1,6 +1,6 @@
 """MAGI-2 refiner configuration: presets, the released schema, parallel checks.
 
-`magi2-refiner` is the released 1080p refiner (../shared/design/REFINER.md section 2:
+`magi2-refiner` is the released 1080p refiner (golden/magi2_refiner/README.md:
 30 layers, C 4096, head_dim 128, 32 query / 8 KV heads, modality-specific layers 0, 1, 28,
 29, MLP width 10920, block-grid attention over 8x4x4 blocks with radius 2 in every layer).
 `Magi2RefinerConfig.from_dict` reads our own `to_dict()` output or the upstream model

@@ -13,13 +13,25 @@ refiner is not sharded by weights).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from safetensors import safe_open
 
+from headmoe.distributed.context import ParallelContext
 from headmoe.models.magi2.loading import LoadReport, check_headers, write_random_tensors
 from headmoe.models.refiner.config import Magi2RefinerConfig
 from headmoe.models.refiner.model import Magi2Refiner
+from headmoe.models.streaming import (
+    DEFAULT_SLOTS,
+    LayerStreamer,
+    MappedCheckpoint,
+    check_slots,
+    layer_index,
+    materialise_except,
+    split_layers,
+    whole_reads,
+)
 
 
 def refiner_spec(config: Magi2RefinerConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -55,16 +67,19 @@ def check_refiner_checkpoint(
 
 
 def load_refiner(
-    model: Magi2Refiner, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30
+    model: Magi2Refiner, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30,
+    skip: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`:
     every header checked first (`check_refiner_checkpoint`), then every tensor read, cast
-    to its parameter's dtype and copied in batches of about `max_batch_bytes`."""
+    to its parameter's dtype and copied in batches of about `max_batch_bytes`. Names for
+    which `skip(name)` is true are neither read nor loaded (the streamed layers)."""
     headers, report = check_refiner_checkpoint(model.config, path, model.dtype)
     local = model.state_dict()
     by_file: dict[str, list[str]] = {}
     for name in local:
-        by_file.setdefault(headers[name][0], []).append(name)
+        if skip is None or not skip(name):
+            by_file.setdefault(headers[name][0], []).append(name)
     batch: dict[str, torch.Tensor] = {}
     held = 0
     for file, names in by_file.items():
@@ -78,6 +93,28 @@ def load_refiner(
                     held = 0
     _flush(model, batch)
     return report
+
+
+def stream_refiner(
+    config: Magi2RefinerConfig, context: ParallelContext, dtype: torch.dtype,
+    path: str | os.PathLike, *, resident_layers: int = 0, slots: int = DEFAULT_SLOTS,
+    timeout_s: float = 300.0,
+) -> tuple[Magi2Refiner, LayerStreamer]:
+    """A `Magi2Refiner` on `context.device` whose layers after the first `resident_layers`
+    stream from `path` through `slots` slot buffers (`headmoe.models.streaming`; every
+    rank reads every tensor of a layer); the rest is loaded once (`load_refiner`)."""
+    _, streamed = split_layers(config.num_layers, resident_layers)
+    check_slots(slots)
+    headers, report = check_refiner_checkpoint(config, path, dtype)
+    with torch.device("meta"):
+        model = Magi2Refiner(config, context, dtype=dtype)
+    layers = model.block.layers
+    materialise_except(model, [layers[i] for i in streamed], context.device)
+    load_refiner(model, path, skip=lambda n: layer_index(n) in streamed)
+    source = MappedCheckpoint({report.prefix + n: f for n, (f, _, _) in headers.items()})
+    reads = {i: whole_reads(layers[i], f"{report.prefix}block.layers.{i}.") for i in streamed}
+    return model, LayerStreamer(layers, streamed, reads, source, context.device, slots,
+                                counters=context.counters, timeout_s=timeout_s)
 
 
 def _flush(model: Magi2Refiner, tensors: dict[str, torch.Tensor]) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headmoe.config import DTYPES
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import gather_rows, ulysses_heads_to_seq, ulysses_seq_to_heads
 from headmoe.distributed.sharding import sp_rows, sp_token_counts
@@ -46,6 +47,7 @@ from headmoe.layers.rope import apply_rope, default_bands, rope_table, split_tab
 from headmoe.models.magi2.config import MODALITIES, VIDEO
 from headmoe.models.refiner.config import Magi2RefinerConfig, validate_parallel
 from headmoe.models.refiner.packing import RefinerPacked, attention_plan, pack_refiner, unpack_video
+from headmoe.models.streaming import present
 
 #: rows of the MLP processed at once (bounds the fp32 [rows, 2I] temporaries: 16,384 rows
 #: of the released refiner hold 1.3 GiB of up_gate output in fp32)
@@ -224,7 +226,7 @@ class Magi2Refiner(nn.Module):
         dtype: torch.dtype = torch.float32, mlp_chunk_rows: int = MLP_CHUNK_ROWS,
     ) -> None:
         super().__init__()
-        if dtype not in (torch.float32, torch.bfloat16):
+        if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
         context = context if context is not None else ParallelContext.single()
         validate_parallel(config, context.config)
@@ -282,9 +284,10 @@ class Magi2Refiner(nn.Module):
         if trace is not None:
             trace["embed"] = h.clone()
         for i, layer in enumerate(self.block.layers):
-            attn = layer.attention(h, plan, self.context)
-            h = h + attn
-            h = layer.mlp.add_to(h, plan, self.mlp_chunk_rows)
+            with present(layer):  # its weights, when they stream (`--offload-layers`)
+                attn = layer.attention(h, plan, self.context)
+                h = h + attn
+                h = layer.mlp.add_to(h, plan, self.mlp_chunk_rows)
             if trace is not None:
                 trace[f"layer{i}_attn"], trace[f"layer{i}_out"] = attn.clone(), h.clone()
         local = self._post(h, plan)
