@@ -58,12 +58,12 @@ from headmoe.pipeline.media import (
     write_mp4,
     write_sidecar,
 )
-from headmoe.pipeline.placement import is_output_coords
 from headmoe.pipeline.refine import REFINER_FPS_FACTOR, refine_stage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
 from headmoe.release.components import magi2_components
+from headmoe.release.placement import is_output_coords
 from headmoe.release.video_latents import frame_count
 
 #: the shortest collective timeout (s): below it the ranks cannot even join the group

@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from headmoe.distributed.topology import Topology
-from headmoe.pipeline.placement import IMAGE_RANK, is_output_coords
+from headmoe.release.placement import IMAGE_RANK, is_output_coords
 
 #: Qwen3.5-27B text model sizes used when no release folder is given (MAGI2.md section 7:
 #: 5120-d features); the folder's config.json is the authority when there is one
