@@ -32,6 +32,7 @@ from headmoe.layers import triton_attention, triton_dense
 from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
 from headmoe.layers.triton_attention import DEFAULT_ATTENTION_TILES as AT
 from headmoe.layers.triton_dense import DENSE_TILES, NORM_BLOCK, NORM_ROWS
+from headmoe.layers.triton_range_attention import DEFAULT_RANGE_TILES as RT
 from headmoe.layers.triton_runtime import descriptor, kernels
 from headmoe.moe import triton_moe
 from headmoe.moe.triton_moe import DEFAULT_TILES as MT
@@ -45,7 +46,8 @@ D, F, E, K, HEAD_DIM, HIDDEN = 256, 1280, 256, 6, 128, 3072
 SMEM_LIMIT = 232_448
 #: kernel module of each spec's prefix
 MODULES = {"moe": triton_moe.KERNELS, "attention": triton_attention.KERNELS,
-           "dense": triton_dense.KERNELS}  # fmt: skip
+           "dense": triton_dense.KERNELS,
+           "range": "headmoe.layers.triton_range_attention_kernels"}  # fmt: skip
 
 
 def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -91,6 +93,15 @@ def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any]
             dict(GROUP=1, HEAD_DIM=HEAD_DIM, PRECISION="tf32", BLOCK_M=AT.block_m,
                  BLOCK_N=AT.block_n),
             {"num_warps": AT.num_warps, "num_stages": AT.num_stages}),
+        "range_attention": ("range.range_attention_kernel", lambda: dict(
+            q_ptr=_t(8), k_ptr=_t(8), v_ptr=_t(8), o_ptr=_t(8), q_tiles_ptr=_t(8, dtype=i64),
+            k_offsets_ptr=_t(8, dtype=i64), k_ranges_ptr=_t(8, dtype=i64),
+            stride_qt=3 * HEAD_DIM, stride_qh=HEAD_DIM, stride_kt=3 * HEAD_DIM,
+            stride_kh=HEAD_DIM, stride_vt=3 * HEAD_DIM, stride_vh=HEAD_DIM,
+            stride_ot=3 * HEAD_DIM, stride_oh=HEAD_DIM, qk_scale=0.1),
+            dict(GROUP=1, HEAD_DIM=HEAD_DIM, PRECISION="tf32", BLOCK_M=RT.block_m,
+                 BLOCK_N=RT.block_n),
+            {"num_warps": RT.num_warps, "num_stages": RT.num_stages}),
         "matmul": _matmul(torch.bfloat16),
         "matmul_fp32": _matmul(torch.float32),
         "rms_norm": ("dense.rms_norm_kernel", lambda: dict(
@@ -131,8 +142,15 @@ def signature(fn: Any, args: dict[str, Any], consts: dict[str, Any]) -> tuple[di
     """(signature, constexprs, attrs) of `fn` for `args`, specialised as a launch would be
     (triton's own rules: ints equal to 1 become constants; pointers and ints divisible by
     16 carry `tt.divisibility`, which is what lets a gather vectorise)."""
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
+
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:  # another triton: plain types, no divisibility hints
+        from triton.runtime.jit import mangle_type
+
+        def native_specialize_impl(_backend, arg, *_flags):
+            return mangle_type(arg), None
 
     sig, constexprs, attrs = {}, dict(consts), {}
     for i, a in enumerate(fn.arg_names):

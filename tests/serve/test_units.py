@@ -35,6 +35,7 @@ from tests.pipeline.fake import fake_components
     (["--nproc", "0"], "--nproc must be a positive number of ranks, got 0"),
     (["--api-key-file", "/nonexistent/key"], "--api-key-file '/nonexistent/key': No such file"),
     (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),
+    (["--resident-layers", "2"], "--resident-layers 2 needs --offload-layers"),
 ])
 def test_bad_flags_exit_2_before_any_rank(flags, expected, tiny_cache, tmp_path, capsys):
     code = main(["serve", "--cache-dir", str(tiny_cache), "--output-dir", str(tmp_path / "o"),
@@ -88,3 +89,16 @@ def test_wire_moves_json_between_ranks():
     for got, flag, gathered in run_ranks(_wire, 2, timeout=120):
         assert got == {"fox": "🦊", "x": [1, 2.5, None]} and flag is True
         assert gathered == [{"rank": 0, "text": ""}, {"rank": 1, "text": "é"}]
+
+
+def test_streamed_layers_reach_every_served_job(tiny_cache, tmp_path):
+    from headmoe.cli.main import build_parser
+    from headmoe.cli.serve import build_spec
+
+    args = build_parser().parse_args(["serve", "--cache-dir", str(tiny_cache), "--output-dir",
+                                      str(tmp_path / "o"), "--offload-layers",
+                                      "--resident-layers", "1"])
+    spec, world = build_spec(args)
+    job = spec.job(GenerateRequest(prompt="a fox"), None, {})
+    assert world == 1 and job.offload_layers and job.resident_layers == 1
+    assert spec.deployment.stream.resident_layers == 1  # admitted with the streamed estimate

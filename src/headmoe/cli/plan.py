@@ -22,6 +22,7 @@ from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.models.magi2.packing import image_rows
 from headmoe.models.streaming import DEFAULT_SLOTS
 from headmoe.pipeline.image import max_latent_size
+from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
 from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
@@ -145,11 +146,60 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="host-to-device GB/s per GPU the streamed step-time bound assumes (default "
         f"{DEFAULT_H2D_GBPS:g})",
     )
+    p.add_argument("--resolution", default=None, choices=sorted(RESOLUTIONS),
+                   help="size preset of the request (replaces --height/--width; 1080p: the "
+                   "540p preview and the refiner stage at 1920x1088)")
+    p.add_argument("--refiner-height", type=int, default=None,
+                   help="add the refiner stage at this height in pixels (default 1088, or the "
+                   "--resolution preset's)")
+    p.add_argument("--refiner-width", type=int, default=None,
+                   help="refiner width in pixels (default 1920 when only the height is given)")
+    p.add_argument("--refiner-steps", type=int, default=None, help="refiner steps (default 5)")
     p.add_argument("--wide", action="store_true",
                    help="every column (attention heads, peers, expert and component bytes)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
+
+
+def refiner_section(args: argparse.Namespace, request: RequestShape, plans: list[LayoutPlan]
+                    ) -> tuple[dict[str, Any] | None, str]:
+    """The refiner stage of ``plan`` (`headmoe.planner.refiner`): (JSON object, text), or
+    (None, "") without the refiner flags."""
+    from headmoe.admission import REFINER_FIELDS, check_given, refiner_stage
+    from headmoe.models.refiner import get_refiner_config
+    from headmoe.planner.refiner import plan_refiner
+
+    given = {k: getattr(args, k) for k in ("resolution", *REFINER_FIELDS)
+             if getattr(args, k, None) is not None}
+    check_given(given)  # a Refusal names the flag
+    stage = refiner_stage(given)
+    if stage is None:
+        return None, ""
+    cfg = get_refiner_config("magi2-refiner")
+    thw = stage.latent_thw(request.video_latent[0])
+    work, rplans = plan_refiner(cfg, thw, request.text_tokens[0], [p.parallel for p in plans],
+                                DTYPES[args.dtype], stage.steps)
+    data = {**stage.to_dict(), "model": cfg.name, "latent": list(thw),
+            "video_tokens": work.video_tokens, "text_tokens": work.text_tokens,
+            "attention_pairs": work.pairs, "video_keys_per_query": work.video_keys_per_query,
+            "dense_fraction": work.dense_fraction, "linear_flop": work.linear_flop,
+            "attention_flop": work.attention_flop, "layouts": [r.to_dict() for r in rplans]}
+    lines = [f"Refiner stage ({cfg.name}, {stage.width}x{stage.height}, latent "
+             f"{thw[0]}x{thw[1]}x{thw[2]}: {work.video_tokens:,} video + {work.text_tokens} "
+             f"text tokens; {stage.steps} steps x 2 forwards): per forward "
+             f"{work.flop / 1e15:.2f} PFLOP (linears {work.linear_flop / 1e15:.2f}, attention "
+             f"{work.attention_flop / 1e15:.2f}: {work.pairs:.4g} pairs, "
+             f"{work.video_keys_per_query:,.1f} video keys per video query, "
+             f"{100 * work.dense_fraction:.2f}% of dense)", "",
+             "| SP | CFG | weights GiB | activations GiB | total GiB | forwards/rank | "
+             "PFLOP/rank |", "|---|---|---|---|---|---|---|"]
+    for r in rplans:
+        m = r.memory
+        lines.append(f"| {r.ulysses_degree} | {r.cfg_parallel_size} | {m.weights / GIB:.2f} | "
+                     f"{m.activations / GIB:.2f} | {m.total / GIB:.2f} | "
+                     f"{r.forwards_per_rank} | {r.flop_per_rank / 1e15:.2f} |")
+    return data, "\n".join(lines)
 
 
 register = add_parser
@@ -158,7 +208,9 @@ register = add_parser
 
 def request_from_args(args: argparse.Namespace) -> RequestShape:
     """The request shape of the flags, through admission's rules (`check_given`: ranges and
-    the decoders' geometry; `Refusal` names the field) and the text encoder's token limit."""
+    the decoders' geometry; `Refusal` names the field) and the text encoder's token limit;
+    ``--resolution`` (plan only) sets the preview's height and width (1080p: the 540p
+    preview of the refiner stage)."""
     from headmoe.admission import check_given
     from headmoe.pipeline.released import MAX_TEXT_TOKENS
 
@@ -168,9 +220,12 @@ def request_from_args(args: argparse.Namespace) -> RequestShape:
         if not 1 <= value <= MAX_TEXT_TOKENS:
             raise UserError(f"{flag} must be in [1, {MAX_TEXT_TOKENS}] (the text encoder keeps "
                             f"at most {MAX_TEXT_TOKENS} tokens), got {value}")
+    height, width = args.height, args.width
+    if getattr(args, "resolution", None) is not None:
+        height, width = check_given({"resolution": args.resolution})["resolution"]
     return RequestShape.from_media(
-        height=args.height,
-        width=args.width,
+        height=height,
+        width=width,
         num_frames=args.num_frames,
         fps=args.fps,
         text_tokens=args.text_tokens,
@@ -378,6 +433,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
                                parts, args.ranks_per_node, args.offload, stream, args.h2d_gbps)
+    refiner_data, refiner_text = refiner_section(args, request, plans)
     if args.json:
         print(
             json.dumps(
@@ -397,12 +453,15 @@ def run(args: argparse.Namespace) -> int:
                     },
                     "recommendation": reason,
                     "layouts": [p.to_dict() for p in plans],
+                    "refiner": refiner_data,
                 },
                 indent=2,
             )
         )
     else:
         print_text(args, model, request, parts, plans, reason, stream is not None, memory)
+        if refiner_text:
+            print("\n" + refiner_text)
     return 0
 
 

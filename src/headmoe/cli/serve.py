@@ -16,6 +16,7 @@ SIGTERM (or Ctrl-C) drains: no new jobs, the current one finishes or is cancelle
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import socket
@@ -32,6 +33,7 @@ def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
     from headmoe.cli.checks import add_memory_flag
     from headmoe.cli.generate import add_layout_flags
+    from headmoe.cli.plan import add_stream_arguments
 
     p = subparsers.add_parser(
         "serve",
@@ -50,6 +52,7 @@ def register(subparsers: Any) -> None:
                    help="transformer dtype of every request (default: the model's recipe: "
                    "fp32 for the tiny release; MAGI-2 Preview: bf16 on a GPU, fp32 on a CPU)")
     add_layout_flags(p)
+    add_stream_arguments(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="local ranks (default: the layout's world size); not under torchrun")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -80,8 +83,8 @@ def register(subparsers: Any) -> None:
 #: generate flags a server fixes for every request (its outputs are server-named files),
 #: and the smallest request, admitted at start: the model alone must fit the budget
 GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
-                 "video_decoder": None, "offload": False, "offload_layers": False,
-                 "resident_layers": 0, **{name: None for name in INPUT_FIELDS}, "prompt": "",
+                 "video_decoder": None, "offload": False,
+                 **{name: None for name in INPUT_FIELDS}, "prompt": "",
                  "height": 16, "width": 16, "num_frames": 1, "image": None,
                  "image_encoder": None}
 
@@ -135,7 +138,9 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
                      job.request.dtype, output_dir, args.host, args.port, args.api_key,
                      args.max_queue, args.timeout, args.drain_timeout,
                      dep.budget.limit, log_level=args.log_level, release=job.release,
-                     deployment=dep)
+                     deployment=dataclasses.replace(dep, refiner_config=None),  # no 1080p yet
+                     offload_layers=job.offload_layers,
+                     resident_layers=job.resident_layers)
     return spec, world
 
 

@@ -45,6 +45,9 @@ class ServeSpec:
     for a bare transformer checkpoint with the stand-in encoders (as `generate`)."""
     deployment: Any = None
     """The `headmoe.admission.Deployment` every request is admitted on (rank 0)."""
+    offload_layers: bool = False
+    """Stream the transformer's layers (``--offload-layers``; `GenerateJob`'s field)."""
+    resident_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -81,4 +84,6 @@ class ServeSpec:
             extra=extra,
             release=self.release,
             image=image,
+            offload_layers=self.offload_layers,
+            resident_layers=self.resident_layers,
         )
