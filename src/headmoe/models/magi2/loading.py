@@ -236,10 +236,10 @@ def load_checkpoint(
                 batch[name] = tensor
                 held += tensor.numel() * tensor.element_size()
                 if held >= max_batch_bytes:
-                    _flush(model, batch)
+                    flush_batch(model, batch)
                     held = 0
-    _flush(model, batch)
-    _flush(model, biases)
+    flush_batch(model, batch)
+    flush_batch(model, biases)
     return report
 
 
@@ -284,7 +284,8 @@ def stream_layers(
         lambda i: layer_reads(model, i, report.prefix), files, context, slots, timeout_s)
 
 
-def _flush(model: Magi2Transformer, tensors: dict[str, torch.Tensor]) -> None:
+def flush_batch(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a batch of checked tensors (name -> tensor) into `model` and empty the batch."""
     result = model.load_state_dict(tensors, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys  # names checked above
     tensors.clear()

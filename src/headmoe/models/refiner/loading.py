@@ -19,7 +19,12 @@ import torch
 from safetensors import safe_open
 
 from headmoe.distributed.context import ParallelContext
-from headmoe.models.magi2.loading import LoadReport, check_headers, write_random_tensors
+from headmoe.models.magi2.loading import (
+    LoadReport,
+    check_headers,
+    flush_batch,
+    write_random_tensors,
+)
 from headmoe.models.refiner.config import Magi2RefinerConfig
 from headmoe.models.refiner.model import Magi2Refiner
 from headmoe.models.streaming import (
@@ -87,9 +92,9 @@ def load_refiner(
                 batch[name] = tensor
                 held += tensor.numel() * tensor.element_size()
                 if held >= max_batch_bytes:
-                    _flush(model, batch)
+                    flush_batch(model, batch)
                     held = 0
-    _flush(model, batch)
+    flush_batch(model, batch)
     return report
 
 
@@ -112,12 +117,6 @@ def stream_refiner(
         model, layers, streamed, lambda skip: load_refiner(model, path, skip=skip),
         lambda i: whole_reads(layers[i], f"{report.prefix}block.layers.{i}."), files, context,
         slots, timeout_s)
-
-
-def _flush(model: Magi2Refiner, tensors: dict[str, torch.Tensor]) -> None:
-    result = model.load_state_dict(tensors, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys  # names checked above
-    tensors.clear()
 
 
 def write_random_refiner(
