@@ -1,8 +1,8 @@
 """Streamed and resident runs of the embedded release write the same bytes (issue 20): one
 rank, SP4+EP2 with both MoE exchanges, and SP2 x CFG2, in one 4-rank spawn; every rank
 moves the planner's bytes per step (EP ranks: their own expert rows) and every counter is
-`compare`'s prediction; and the refiner's
-layers streamed on SP2 x CFG2 give the resident refined clip."""
+`compare`'s prediction; and the refiner's layers streamed on SP2 x CFG2 give the resident
+refined clip."""
 
 from __future__ import annotations
 
