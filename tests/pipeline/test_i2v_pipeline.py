@@ -129,12 +129,12 @@ def test_latent_reaches_every_rank(folder):
     assert per_rank[1]["error"] == "RuntimeError: the image encoder failed on rank 0 (see its error)"
 
 
-def _refused(tmp_path, capsys, monkeypatch, *flags: str) -> str:
+def _refused(cache, tmp_path, capsys, monkeypatch, *flags: str) -> str:
     launched = []
     monkeypatch.setattr(generate_cli, "launch_local", lambda *a, **k: launched.append(a))
     out = tmp_path / "o.mp4"
     code = main(["generate", "--nproc", "2", "--ulysses-degree", "2", "--output", str(out),
-                 "--cache-dir", str(tmp_path / "cache"), *REQUEST, *flags])
+                 "--cache-dir", str(cache), *REQUEST, *flags])
     err = capsys.readouterr().err
     assert code == 2 and not launched and not out.exists(), err
     assert err.startswith("headmoe: error: ") and err.count("\n") == 1, err
@@ -144,13 +144,15 @@ def _refused(tmp_path, capsys, monkeypatch, *flags: str) -> str:
 def test_bad_images_refused_before_any_rank(folder, tmp_path, capsys, monkeypatch):
     text = tmp_path / "notes.png"
     text.write_text("not a picture")
-    err = _refused(tmp_path, capsys, monkeypatch, "--model", str(folder), "--image", str(text))
+    # the embedded release by name (a folder path would add a note about its unused entries)
+    err = _refused(folder.parent, tmp_path, capsys, monkeypatch, "--model", "tiny", "--image",
+                   str(text))
     assert f"--image {str(text)!r} is not an image" in err
-    err = _refused(tmp_path, capsys, monkeypatch, "--model", str(folder), "--image",
+    err = _refused(folder.parent, tmp_path, capsys, monkeypatch, "--model", "tiny", "--image",
                    str(tmp_path / "nope.png"))
     assert "cannot be read" in err
     ckpt = next((folder / "preview").glob("*.index.json"))
-    err = _refused(tmp_path, capsys, monkeypatch, "--model", str(ckpt), "--image",
+    err = _refused(folder.parent, tmp_path, capsys, monkeypatch, "--model", str(ckpt), "--image",
                    str(_image_path()))
     assert "--image needs a release folder with vae/" in err
 

@@ -235,5 +235,7 @@ def test_serving_doc_states_the_code_limits_and_defaults():
         want = defaults[flag]
         if stated == "none":
             assert want is None, flag
+        elif stated == "off":  # a switch
+            assert want is False, flag
         elif want is not None:
             assert stated == f"{want:g}" if isinstance(want, float) else stated == str(want), flag
