@@ -20,10 +20,10 @@ from headmoe.distributed import ParallelContext
 from headmoe.errors import Refusal
 from headmoe.models.magi2 import get_config
 from headmoe.models.refiner import get_refiner_config
-from headmoe.pipeline import release
 from headmoe.pipeline.job import run_job, run_jobs
 from headmoe.pipeline.media import read_mp4
 from headmoe.pipeline.refine import RefinerStage
+from headmoe.release import folder as release
 from headmoe.testing import run_ranks
 
 REQUEST = ["--height", "32", "--width", "48", "--num-frames", "9", "--num-inference-steps", "2",

@@ -43,9 +43,9 @@ from headmoe.errors import Refusal, UserError
 from headmoe.pipeline.job import MIN_TIMEOUT_S
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
-from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE, VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
+from headmoe.release.folder import RANDOM_WEIGHTS_NOTE, VIDEO_DECODERS
 
 #: the layout flags are the fields of `ParallelConfig` (dest = field name)
 LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ParallelConfig))
@@ -371,7 +371,7 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     encoder's token count."""
     from headmoe.cli.plan import stream_settings
     from headmoe.distributed.context import rank_device
-    from headmoe.pipeline.text_encoder import TokenCounter
+    from headmoe.release.text_encoder import TokenCounter
 
     device = rank_device().type
     budget = memory_budget(args.max_memory_gib, "--max-memory-gib", local_ranks(world), device)
@@ -408,8 +408,8 @@ def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: Pa
     ``--model``, with every header, the layout and the request (admission, memory estimate
     included) checked before any weight is built."""
     from headmoe.models.magi2 import check_checkpoint, validate_parallel
-    from headmoe.pipeline.magi2 import resolve_model
-    from headmoe.pipeline.release import is_release_folder
+    from headmoe.release.components import resolve_model
+    from headmoe.release.folder import is_release_folder
 
     if args.model == "tiny" or is_release_folder(args.model):
         release = _release(args, parallel)  # checks every header
@@ -448,7 +448,7 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     import dataclasses
 
     from headmoe.models.magi2 import get_config, validate_parallel
-    from headmoe.pipeline import release as rel
+    from headmoe.release import folder as rel
 
     video = args.video_decoder or "turbo"
     # --image needs the encoder; a server (image_encoder None) loads it when vae/ has it

@@ -92,7 +92,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Enumerate every valid (SP, CFG, DP, EP, MoE exchange) layout of a world "
         "and predict, per rank, the quantities the runtime counters measure.",
     )
-    p.add_argument("--model", choices=sorted(PRESETS), default="magi2-preview")
+    p.add_argument(
+        "--model",
+        default="magi2-preview",
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a release folder (its "
+        "preview/config.json, or MAGI-2 Preview's without one; its components size the "
+        "encoder and decoder columns)",
+    )
     p.add_argument("--world-size", type=int, required=True)
     add_request_arguments(p)
     p.add_argument(
@@ -149,6 +155,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--refiner-width", type=int, default=None,
                    help="refiner width in pixels (default 1920 when only the height is given)")
     p.add_argument("--refiner-steps", type=int, default=None, help="refiner steps (default 5)")
+    p.add_argument("--wide", action="store_true",
+                   help="every column (attention heads, peers, expert and component bytes)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
@@ -225,10 +233,24 @@ def request_from_args(args: argparse.Namespace) -> RequestShape:
     )
 
 
-def format_table(plans: list[LayoutPlan], reason: str) -> str:
-    """The plan as a Markdown table plus the recommendation line. "auto" marks the exchange
-    mode the MoE layer's "auto" rule picks."""
+#: the columns of the default table (`--wide`: every column of `_row`) and their short
+#: headers, explained in `LEGEND`
+NARROW = {"layout": "layout", "MoE heads/rank (+pad)": "MoE heads (+pad)",
+          "busiest MoE rows/layer": "MoE rows", "MiB sent/rank/layer (MoE + Ulysses)":
+          "MiB sent", "weights GiB/rank": "weights GiB", "busiest rank GiB": "busiest GiB",
+          "pick": "pick"}
+LEGEND = ("Per rank: MoE heads held (+ zero padding); MoE rows: the busiest rank's (token, "
+          "head) rows per MoE layer; MiB sent: MoE + Ulysses all-to-all bytes per layer; "
+          "weights GiB: transformer weights; busiest GiB: with the text encoder and decoders "
+          "(--wide: every column).")
+
+
+def format_table(plans: list[LayoutPlan], reason: str, wide: bool = False) -> str:
+    """The plan as a Markdown table (`NARROW` columns, every column with ``wide``) plus
+    the recommendation: its reason and the `generate` flags that run it. "auto" marks the
+    exchange mode the MoE layer's "auto" rule picks."""
     head = (
+        "layout",
         "SP x CFG x DP",
         "EP",
         "MoE exchange",
@@ -237,6 +259,7 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
         "busiest MoE rows/layer",
         "MoE MiB sent/rank/layer",
         "Ulysses MiB sent/rank/layer",
+        "MiB sent/rank/layer (MoE + Ulysses)",
         "a2a peers Uly/MoE",
         "expert GiB/rank",
         "weights GiB/rank",
@@ -245,11 +268,41 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
         "busiest rank GiB",
         "pick",
     )
+    keep = [i for i, h in enumerate(head) if wide or h in NARROW]
+    shown = head if wide else tuple(NARROW.get(h, h) for h in head)
     autos = {_exchange_key(p, p.auto_exchange) for p in plans}
-    rows = [head, tuple("---" for _ in head)] + [_row(p, autos) for p in plans]
-    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    rows = [shown, tuple("---" for _ in head)] + [_row(p, autos) for p in plans]
+    lines = ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]
+    if not wide:
+        lines.append("\n" + LEGEND)
     best = next(p for p in plans if p.recommended)
-    return "\n".join(lines) + f"\n\nRecommended: {best.name} — {reason}."
+    return "\n".join(lines) + (f"\n\nRecommended: {best.name} — {reason}.\nRun it with: "
+                               f"{recommended_command(best)}")
+
+
+def recommended_command(plan: LayoutPlan) -> str:
+    """The `headmoe generate` flags of ``plan``'s layout (`--nproc` included; the flags at
+    generate's defaults left out)."""
+    from headmoe.cli.compare import layout_flags
+    from headmoe.config import ParallelConfig
+
+    par = plan.parallel
+    if plan.moe_exchange != plan.auto_exchange:
+        par = dataclasses.replace(par, moe_exchange=plan.moe_exchange)
+    defaults = _flag_groups(layout_flags(ParallelConfig()))
+    given = [g for g in _flag_groups(layout_flags(par)) if g[0] == "--nproc" or g not in defaults]
+    return " ".join(["headmoe generate", *(x for g in given for x in g)])
+
+
+def _flag_groups(flags: list[str]) -> list[list[str]]:
+    """``["--a", "1", "--b"]`` -> ``[["--a", "1"], ["--b"]]``."""
+    groups: list[list[str]] = []
+    for x in flags:
+        if x.startswith("--"):
+            groups.append([x])
+        else:
+            groups[-1].append(x)
+    return groups
 
 
 def _exchange_key(p: LayoutPlan, exchange: str) -> tuple:
@@ -262,7 +315,10 @@ def _row(p: LayoutPlan, autos: set[tuple]) -> tuple[str, ...]:
     """One layout's cells, in the order of `format_table`'s header."""
     par = p.parallel
     auto = " (auto)" if _exchange_key(p, p.moe_exchange) in autos else ""
+    named = p.name + (auto if "_group" in p.name else "")
+    sent = p.moe_bytes_sent_per_rank + p.ulysses_bytes_sent_per_rank
     return (
+        named,
         f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
         str(p.expert_parallel_size),
         p.moe_exchange + auto,
@@ -271,6 +327,7 @@ def _row(p: LayoutPlan, autos: set[tuple]) -> tuple[str, ...]:
         f"{p.busiest_moe_rows:,}",
         f"{p.moe_bytes_sent_per_rank / MIB:,.2f}",
         f"{p.ulysses_bytes_sent_per_rank / MIB:,.2f}",
+        f"{sent / MIB:,.2f}",
         f"{p.ulysses_peers}/{p.moe_peers}",
         f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
         f"{p.weight_bytes_per_rank / GIB:,.2f}",
@@ -322,7 +379,7 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
            f"{request.image_tokens} image tokens per branch)" if image else "")
         + f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
     )
-    print(format_table(plans, reason))
+    print(format_table(plans, reason, getattr(args, "wide", False)))
     if streamed:
         print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
               "page cache of the checkpoint's streamed bytes the node's ranks read, "
@@ -336,12 +393,28 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
               "between uses).")
 
 
+def model_from_arg(args: argparse.Namespace) -> Any:
+    """The `Magi2Config` of ``--model``: a preset, or a release folder's (`release_config`;
+    the folder then also sizes the components unless ``--release`` names another)."""
+    if args.model in PRESETS:
+        return get_config(args.model)
+    if not os.path.isdir(args.model):
+        raise UserError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
+                        " nor a release folder")
+    from pathlib import Path
+
+    from headmoe.release.folder import release_config
+
+    args.release = args.release or args.model
+    return release_config(Path(args.model))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise UserError(f"--world-size must be a positive number of ranks, at most "
                         f"{MAX_WORLD_SIZE:,}, got {args.world_size}, e.g. --world-size 8")
-    model = get_config(args.model)  # a ValueError is reported by headmoe.cli.errors
+    model = model_from_arg(args)  # a ValueError is reported by headmoe.cli.errors
     request = request_from_args(args)
     if not (math.isfinite(args.memory_gib) and 0 <= args.memory_gib <= MAX_BUDGET_GIB):
         raise UserError(f"--memory-gib must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
