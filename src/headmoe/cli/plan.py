@@ -91,8 +91,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Enumerate every valid (SP, CFG, DP, EP, MoE exchange) layout of a world "
         "and predict, per rank, the quantities the runtime counters measure.",
     )
-    p.add_argument("--model", choices=sorted(PRESETS), default="magi2-preview")
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--model", choices=sorted(PRESETS), default="magi2-preview",
+                   help="model configuration preset (default: magi2-preview)")
+    p.add_argument("--world-size", type=int, required=True,
+                   help=f"ranks of the world to plan (1 to {MAX_WORLD_SIZE:,})")
     add_request_arguments(p)
     p.add_argument(
         "--dtype",
@@ -112,7 +114,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="release folder whose text encoder / decoder configs size the components "
         "(default: the --model preset's)",
     )
-    p.add_argument("--video-decoder", choices=("turbo", "wan2.2"), default="turbo")
+    p.add_argument("--video-decoder", choices=("turbo", "wan2.2"), default="turbo",
+                   help="video decoder whose bytes are counted (default: turbo)")
     p.add_argument(
         "--image",
         action="store_true",
