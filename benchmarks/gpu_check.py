@@ -1,7 +1,7 @@
 """One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
 seconds (default 360) that cannot stop half-way without a report.
 
-First the environment (device name, versions, clocks), then seven sections, each in its own
+First the environment (device name, versions, clocks), then eight sections, each in its own
 try/except, the markdown file `--out` rewritten (atomically) after every section, so a
 failure or the budget running out loses only the rest of that section:
 
@@ -26,7 +26,11 @@ failure or the budget running out loses only the rest of that section:
 (f) layer streaming (`--offload-layers`, benchmarks/bench_stream.py `gpu_section`): the
     host stage (mapped file -> pinned) and host-to-device GB/s of one MAGI-2 Preview MoE
     layer of an EP4 rank, and 6 such layers resident vs streamed (2 slots) at two token
-    counts: step times, the fraction of the copy hidden behind compute, bit equality.
+    counts: step times, the fraction of the copy hidden behind compute, bit equality;
+(g) the refiner's block-grid range attention at 1080p (63x68x120 latents + 512 text
+    tokens, SP8 per-rank heads: 4 query, 1 KV, 128 dims): against the CPU path on the first
+    tiles, head-subset rows bit-identical, TFLOP/s of the attended pairs beside dense SDPA
+    over as many pairs.
 
 Exit status 0 when every check passed, 1 when a check or a section failed or the budget
 ran out, 2 without a CUDA device. Targets (ratios in the table, never asserted by timed
@@ -87,6 +91,7 @@ SECTIONS = {
     "d": "attention vs SDPA flash / cuDNN",
     "e": "layer-shaped workload",
     bench_stream.SECTION: "layer streaming: H2D GB/s, step time resident vs streamed, copy hidden",
+    "g": "refiner block-grid attention at 1080p vs dense SDPA of the same pairs",
 }
 
 
@@ -743,9 +748,64 @@ def section_layer(ctx: Ctx) -> None:
 
 
 # ---------------------------------------------------------------------------- main
+# ---------------------------------------------------------------------------- (g) refiner
+#: the refiner's block-grid attention: (latent T, H, W, text tokens, query heads, KV heads,
+#: head dim); full: 1080p at SP8 per-rank heads; dry: a ragged 9x5x14 grid
+REFINER_FULL = (63, 68, 120, 512, 4, 1, 128)
+REFINER_DRY = (9, 5, 14, 6, 4, 2, 16)
+
+
+def section_refiner(ctx: Ctx) -> None:
+    """(g) The refiner's block-sparse range attention (`triton_range_attention`) over the
+    1080p block grid at SP8 per-rank heads: against the CPU path on the first query tiles
+    (max abs error), rows bit-identical for a head subset, and TFLOP/s of the attended pairs
+    beside dense SDPA (flash) over as many pairs."""
+    from headmoe.layers.range_attention import RangePlan, range_attention_reference
+    from headmoe.layers.triton_range_attention import triton_range_attention
+    from headmoe.models.refiner import attention_plan, get_refiner_config, pack_refiner
+
+    t, h, w, lt, hq, hkv, dim = REFINER_DRY if ctx.dry else REFINER_FULL
+    cfg = get_refiner_config("magi2-refiner")
+    packed = pack_refiner(torch.zeros(48, t, h, w), torch.zeros(lt, cfg.text_in_channels), cfg)
+    plan = attention_plan(packed)
+    n, pairs = plan.num_tokens, plan.pairs()
+    g = torch.Generator(device=ctx.device).manual_seed(11)
+    q, k, v = (torch.randn(n, heads, dim, generator=g, device=ctx.device).to(ctx.dtype)
+               for heads in (hq, hkv, hkv))  # fmt: skip
+    scale = dim**-0.5
+    shape = f"{t}x{h}x{w}+{lt} tok, {hq}/{hkv} heads x {dim}"
+    full = triton_range_attention(q, k, v, plan, scale)
+    few = min(48, len(plan.q_tiles))  # the first tiles: the CPU path is slow at 1080p
+    part = RangePlan(plan.q_tiles[:few], plan.k_offsets[: few + 1],
+                     plan.k_ranges[: int(plan.k_offsets[few])], n)
+    ref = range_attention_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), part,
+                                    scale)
+    rows = int(plan.q_tiles[few - 1, 1])
+    err = float((full[:rows].float().cpu() - ref[:rows]).abs().max())
+    tol = 2e-2 if ctx.dtype == torch.bfloat16 else 1e-4
+    ctx.report.add("g", "refiner attention vs CPU path (max abs err, first tiles)", shape,
+            f"{err:.2e}", f"<= {tol:g}", err <= tol)
+    sub = triton_range_attention(q[:, hq // hkv:], k[:, 1:], v[:, 1:], plan, scale)
+    bad = mismatched_rows(sub, full[:, hq // hkv:])
+    ctx.report.add("g", "refiner attention rows bit-identical (head subset)", shape,
+            f"{bad} rows differ", "0", bad == 0)
+    flop = 4.0 * pairs * dim * hq
+    ms = ctx.time(lambda: triton_range_attention(q, k, v, plan, scale))
+    ctx.report.add("g", f"refiner attention, Triton ({pairs:.3g} pairs, {100 * pairs / n**2:.2f}% "
+            "of dense)", shape, tflops(flop, ms))
+    side = int(pairs**0.5)  # dense attention over as many pairs
+    dq, dk, dv = (torch.randn(1, hq, side, dim, generator=g, device=ctx.device).to(ctx.dtype)
+                  for _ in range(3))  # fmt: skip
+    dense_ms = ctx.time(lambda: F.scaled_dot_product_attention(dq, dk, dv, scale=scale))
+    ratio = "" if ms is None or dense_ms is None else f"; range/dense TFLOP/s {dense_ms / ms:.2f}"
+    ctx.report.add("g", "dense SDPA over the same pairs (reference)", f"L={side:,}, {hq} heads x {dim}",
+            tflops(4.0 * side**2 * dim * hq, dense_ms) + ratio)
+
+
 SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
     "0": section_compile, "a": section_checks, "b": section_probe, "c": section_moe,
     "d": section_attention, "e": section_layer, bench_stream.SECTION: bench_stream.gpu_section,
+    "g": section_refiner,
 }  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from headmoe.cli.errors import describe
 from headmoe.cli.main import build_parser
 from headmoe.cli.serve import build_spec
 from headmoe.errors import Refusal
-from headmoe.pipeline.release import tiny_release
+from headmoe.release.folder import tiny_release
 from headmoe.serve.app import create_app
 from headmoe.serve.state import JobStore
 

@@ -19,7 +19,7 @@ What it owns, in the order it checks:
 2. contradictions between fields (``resolution`` / ``size`` / ``height`` + ``width``;
    ``seconds`` / ``num_frames``): refused naming both;
 3. the defaults of the model's recipe (`headmoe.pipeline.recipe.recipe_for`);
-4. frame geometry from the decoders' rule (`headmoe.pipeline.video_latents.latent_shape`:
+4. frame geometry from the decoders' rule (`headmoe.release.video_latents.latent_shape`:
    ``num_frames = 4k+1``, sides multiples of 16) and at least one audio sample;
 5. the seed range of the job (data-parallel group k uses seed + k, all below 2**63);
 6. the text tokens of both prompts, counted by the deployment's tokenizer (the release's,
@@ -39,8 +39,8 @@ from typing import Any
 
 from headmoe.config import GIB, ParallelConfig, is_number
 from headmoe.errors import Refusal
-from headmoe.pipeline import audio_vae, video_latents
 from headmoe.pipeline.recipe import (
+    REFINER_RESOLUTIONS,
     RELEASED_SECONDS,
     RESOLUTIONS,
     Recipe,
@@ -57,9 +57,14 @@ from headmoe.pipeline.request import (
 from headmoe.pipeline.seeding import SEED_LIMIT
 from headmoe.planner.memory import MemoryEstimate, estimate_memory, memory_limit
 from headmoe.planner.request import RequestShape
+from headmoe.release import audio_vae, video_latents
 
-#: the fields a request may give: a `GenerateRequest`'s and the three that set its size
-INPUT_FIELDS: tuple[str, ...] = (*REQUEST_FIELDS, "resolution", "seconds", "size")
+#: the refiner stage's fields (``resolution="1080p"`` sets its size)
+REFINER_FIELDS: tuple[str, ...] = ("refiner_height", "refiner_width", "refiner_steps")
+#: the fields a request may give: a `GenerateRequest`'s, the three that set its size and
+#: the refiner's
+INPUT_FIELDS: tuple[str, ...] = (*REQUEST_FIELDS, "resolution", "seconds", "size",
+                                 *REFINER_FIELDS)
 #: where a resolved field's value came from
 GIVEN_BY_FLAG, GIVEN_BY_REQUEST, MODEL_DEFAULT = "flag", "request", "model default"
 DEPLOYMENT = "server"
@@ -93,6 +98,10 @@ class Deployment:
     """How refusals name the model (e.g. "--model /ckpt (config magi2-preview)")."""
     stream: Any = None
     """`headmoe.planner.memory.StreamSettings` with ``--offload-layers``, else None."""
+    refiner_config: Any = None
+    """The `Magi2RefinerConfig` of the release's refiner/ (None: no refiner stage here)."""
+    offload: bool = False
+    """``--offload``: the idle stage's weights live on the host (refiner memory)."""
 
     @property
     def recipe(self) -> Recipe:
@@ -112,13 +121,16 @@ class Admitted:
     estimate: MemoryEstimate
     recipe: str
     given: dict[str, Any]
+    refiner: Any = None
+    """The `headmoe.pipeline.refine.RefinerStage` (1080p), or None."""
 
     def describe(self) -> dict[str, Any]:
         """What the sidecar records (``admission``)."""
         return {"recipe": self.recipe, "sources": self.sources, "notes": self.notes,
                 "given": {k: v for k, v in self.given.items()
                           if k not in ("prompt", "negative_prompt")},
-                "tokens": self.shape.to_dict(), "estimate_bytes": self.estimate.total}
+                "tokens": self.shape.to_dict(), "estimate_bytes": self.estimate.total,
+                "refiner": None if self.refiner is None else self.refiner.to_dict()}
 
 
 # ---------------------------------------------------------------------- single fields
@@ -153,15 +165,39 @@ def _size(value: Any) -> tuple[int, int]:
 
 
 def _resolution(value: Any) -> tuple[int, int]:
-    from headmoe.pipeline.recipe import REFINER_RESOLUTIONS
-
+    """(height, width) of the preview stage: the preset's, or for a refiner preset (1080p)
+    its preview's (540p: REFINER.md section 1)."""
     if not isinstance(value, str) or value not in RESOLUTIONS:
         raise Refusal("resolution", value, f"resolution={show(value)} must be one of "
                       f"{', '.join(RESOLUTIONS)}")
-    if value in REFINER_RESOLUTIONS:
-        raise Refusal("resolution", value, f"resolution={value!r} needs the 1080p refiner, "
-                      "which headmoe does not run yet; use 540p or 272p")
-    return RESOLUTIONS[value]
+    return RESOLUTIONS[REFINER_RESOLUTIONS.get(value, value)]
+
+
+def _refiner_field(name: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        from headmoe.pipeline.refine import RefinerStage
+
+        try:
+            RefinerStage(**{name.removeprefix("refiner_"): value})
+        except ValueError as e:
+            raise Refusal(name, value, str(e)) from None
+        return value
+    return parse
+
+
+def refiner_stage(given: Mapping[str, Any]) -> Any:
+    """The `RefinerStage` of checked ``given`` fields: a refiner preset's size (1080p:
+    1088 x 1920) or the refiner fields, the released steps by default; None without
+    either."""
+    from headmoe.pipeline.refine import RefinerStage
+
+    preset = given.get("resolution") in REFINER_RESOLUTIONS
+    if not preset and not any(k in given for k in REFINER_FIELDS):
+        return None
+    d = RefinerStage()
+    height, width = RESOLUTIONS[given["resolution"]] if preset else (d.height, d.width)
+    return RefinerStage(given.get("refiner_height", height), given.get("refiner_width", width),
+                        given.get("refiner_steps", d.steps))
 
 
 def check_given(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -175,7 +211,8 @@ def check_given(given: Mapping[str, Any]) -> dict[str, Any]:
     for name in INPUT_FIELDS:  # a fixed order: the first bad field is the one reported
         if name not in given:
             continue
-        parse = {"seconds": _seconds, "size": _size, "resolution": _resolution}.get(name)
+        parse = {"seconds": _seconds, "size": _size, "resolution": _resolution,
+                 **{f: _refiner_field(f) for f in REFINER_FIELDS}}.get(name)
         out[name] = parse(given[name]) if parse else check_field(name, given[name])
         if name in GEOMETRY:
             _geometry(name, out[name], GEOMETRY[name])
@@ -286,7 +323,7 @@ def check_seed(seed: int, dp_size: int) -> int:
 def byte_tokens(text: str) -> int:
     """Tokens the stand-in byte encoder keeps of ``text`` (BOS + UTF-8 bytes, at most its
     limit)."""
-    from headmoe.pipeline.encoders import ByteTextEncoder
+    from headmoe.release.standins import ByteTextEncoder
 
     return len(ByteTextEncoder(1).tokenize(text))
 
@@ -333,7 +370,37 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
                       f"num_frames={req.num_frames} need an estimated {est.describe()}, more "
                       f"than the {limit / GIB:.2f} GiB limit ({dep.budget.source}); use a "
                       "smaller request, more ranks, or a larger --max-memory-gib")
-    return Admitted(req, sources, notes, shape, est, dep.recipe.name, dict(given))
+    refiner = refiner_stage(given)
+    if refiner is not None:
+        _check_refiner(given, dep, refiner, req, shape, est)
+    return Admitted(req, sources, notes, shape, est, dep.recipe.name, dict(given), refiner)
+
+
+def _check_refiner(given: Mapping[str, Any], dep: Deployment, stage: Any,
+                   req: GenerateRequest, shape: RequestShape, preview: MemoryEstimate) -> None:
+    """The refiner stage on ``dep``: a refiner there, its heads split by the layout, and
+    the busiest phase (`headmoe.planner.refiner.stage_estimate`) within the budget."""
+    from headmoe.models.refiner import validate_parallel
+    from headmoe.planner.refiner import stage_estimate
+
+    field = "resolution" if "resolution" in given else next(
+        k for k in REFINER_FIELDS if k in given)
+    if dep.refiner_config is None:
+        raise Refusal(field, given[field], f"{field}={given[field]!r} needs the refiner "
+                      f"stage, which {dep.describe or 'this deployment'} does not run "
+                      "(headmoe generate with a release folder that has refiner/)")
+    validate_parallel(dep.refiner_config, dep.parallel)
+    thw = stage.latent_thw(shape.video_latent[0])
+    est = stage_estimate(dep.refiner_config, stage, thw, max(shape.text_tokens), dep.parallel,
+                         req.torch_dtype, preview, dep.offload)
+    limit = dep.budget.limit
+    if limit is not None and est.total > limit:
+        raise Refusal(field, given[field],
+                      f"{dep.describe or 'the model'}: the refiner stage at "
+                      f"{stage.width}x{stage.height} (latent {thw[0]}x{thw[1]}x{thw[2]}) with "
+                      f"the preview needs an estimated {est.describe()}, more than the "
+                      f"{limit / GIB:.2f} GiB limit ({dep.budget.source}); use a smaller "
+                      "refiner size, more ranks, --offload or a larger --max-memory-gib")
 
 
 # ---------------------------------------------------------------------- the budget

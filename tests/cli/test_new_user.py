@@ -87,3 +87,50 @@ def test_readme_outputs_are_git_ignored():
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     for pattern in ("*.mp4", "/demo.json", "/videos/", "/headmoe-videos/"):
         assert pattern in ignored
+
+
+# ---------------------------------------------------------------------- point 18: plan
+def test_plan_16_ranks_follows_the_guides_exchange_rule():
+    from headmoe.models.magi2.config import get_config
+    from headmoe.planner import RequestShape, plan_world
+
+    request = RequestShape((32, 16, 28), 250, (250, 250))
+    plans, reason = plan_world(get_config("magi2-preview"), request, 16,
+                               memory_bytes=80 << 30)
+    best = next(p for p in plans if p.recommended)
+    twin = next(p for p in plans if p.name == best.name.replace("ep_group", "sp_group"))
+    # sp_group saves 6 of 22,260 rows (within E x heads = 12 of the SP split's slack) at
+    # more traffic: the guide's "auto is ep_group" rule keeps ep_group
+    assert best.name == "sp8,cfg2,ep4,ep_group", reason
+    assert 0 < best.busiest_moe_rows - twin.busiest_moe_rows <= 12
+    assert twin.bytes_sent_per_forward > best.bytes_sent_per_forward
+
+
+def test_plan_is_readable_and_prints_the_generate_flags(capsys, tmp_path):
+    import dataclasses
+
+    from headmoe.cli.generate import parallel_from_args
+    from headmoe.cli.main import build_parser
+    from headmoe.release import folder as release
+
+    folder = release.tiny_release(tmp_path / "cache")
+    assert main(["plan", "--model", str(folder), "--world-size", "4", "--height", "64",
+                 "--width", "96", "--num-frames", "13", "--text-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    table = [ln for ln in out.splitlines() if ln.startswith("| ")]
+    assert table[0].count(" | ") + 1 <= 7 and max(map(len, table)) <= 120, table[0]
+    assert f"model {folder.name}," in out  # the folder's own config
+    command = next(ln for ln in out.splitlines() if ln.startswith("Run it with: "))
+    argv = command.removeprefix("Run it with: headmoe ").split()
+    args = build_parser().parse_args([*argv, "--prompt", "x"])
+    best = next(ln for ln in out.splitlines() if ln.startswith("Recommended: "))
+    name = best.removeprefix("Recommended: ").split(" — ")[0]
+    from headmoe.planner import layout_name
+
+    par = parallel_from_args(args)
+    assert layout_name(par) == name or layout_name(dataclasses.replace(
+        par, moe_exchange="auto")) == name, (command, name)
+    assert args.nproc == par.world_size == 4
+    assert main(["plan", "--model", str(folder), "--world-size", "4", "--height", "64",
+                 "--width", "96", "--num-frames", "13", "--text-tokens", "8", "--wide"]) == 0
+    assert capsys.readouterr().out.splitlines()[3].count(" | ") + 1 == 17

@@ -17,10 +17,12 @@ import headmoe.cli.generate as generate_cli
 from headmoe.cli.main import main
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline import i2v, placement, release
+from headmoe.pipeline import i2v
 from headmoe.pipeline.image import prepare_image
 from headmoe.pipeline.job import GenerateJob, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.release import folder as release
+from headmoe.release import placement
 from tests.pipeline.goldens import golden_file
 from tests.pipeline.test_release import _generate as release_generate
 
@@ -108,7 +110,7 @@ def _broadcast_body(rank, world_size, folder, image):
 
 @pytest.mark.multirank
 def test_latent_reaches_every_rank(folder):
-    from headmoe.pipeline import wan_vae
+    from headmoe.release import wan_vae
     from headmoe.testing import run_ranks
 
     image = _image()
@@ -127,12 +129,12 @@ def test_latent_reaches_every_rank(folder):
     assert per_rank[1]["error"] == "RuntimeError: the image encoder failed on rank 0 (see its error)"
 
 
-def _refused(tmp_path, capsys, monkeypatch, *flags: str) -> str:
+def _refused(cache, tmp_path, capsys, monkeypatch, *flags: str) -> str:
     launched = []
     monkeypatch.setattr(generate_cli, "launch_local", lambda *a, **k: launched.append(a))
     out = tmp_path / "o.mp4"
     code = main(["generate", "--nproc", "2", "--ulysses-degree", "2", "--output", str(out),
-                 "--cache-dir", str(tmp_path / "cache"), *REQUEST, *flags])
+                 "--cache-dir", str(cache), *REQUEST, *flags])
     err = capsys.readouterr().err
     assert code == 2 and not launched and not out.exists(), err
     assert err.startswith("headmoe: error: ") and err.count("\n") == 1, err
@@ -142,13 +144,15 @@ def _refused(tmp_path, capsys, monkeypatch, *flags: str) -> str:
 def test_bad_images_refused_before_any_rank(folder, tmp_path, capsys, monkeypatch):
     text = tmp_path / "notes.png"
     text.write_text("not a picture")
-    err = _refused(tmp_path, capsys, monkeypatch, "--model", str(folder), "--image", str(text))
+    # the embedded release by name (a folder path would add a note about its unused entries)
+    err = _refused(folder.parent, tmp_path, capsys, monkeypatch, "--model", "tiny", "--image",
+                   str(text))
     assert f"--image {str(text)!r} is not an image" in err
-    err = _refused(tmp_path, capsys, monkeypatch, "--model", str(folder), "--image",
+    err = _refused(folder.parent, tmp_path, capsys, monkeypatch, "--model", "tiny", "--image",
                    str(tmp_path / "nope.png"))
     assert "cannot be read" in err
     ckpt = next((folder / "preview").glob("*.index.json"))
-    err = _refused(tmp_path, capsys, monkeypatch, "--model", str(ckpt), "--image",
+    err = _refused(folder.parent, tmp_path, capsys, monkeypatch, "--model", str(ckpt), "--image",
                    str(_image_path()))
     assert "--image needs a release folder with vae/" in err
 
@@ -200,8 +204,8 @@ def test_memory_counts_the_image(folder):
     from headmoe.config import ParallelConfig as PC
     from headmoe.distributed.topology import plan_topology
     from headmoe.models.magi2.packing import image_rows
-    from headmoe.pipeline import wan_vae
     from headmoe.planner.components import component_bytes, component_bytes_per_rank
+    from headmoe.release import wan_vae
 
     parts = component_bytes("tiny", image=True)
     vae = wan_vae.load_wan_encoder(folder / "vae")

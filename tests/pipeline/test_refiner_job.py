@@ -12,13 +12,18 @@ import shutil
 
 import pytest
 
+from headmoe.admission import Budget, Deployment, admit
 from headmoe.cli.generate import build_job
 from headmoe.cli.main import build_parser, main
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline import release
+from headmoe.errors import Refusal
+from headmoe.models.magi2 import get_config
+from headmoe.models.refiner import get_refiner_config
 from headmoe.pipeline.job import run_job, run_jobs
 from headmoe.pipeline.media import read_mp4
+from headmoe.pipeline.refine import RefinerStage
+from headmoe.release import folder as release
 from headmoe.testing import run_ranks
 
 REQUEST = ["--height", "32", "--width", "48", "--num-frames", "9", "--num-inference-steps", "2",
@@ -71,10 +76,33 @@ def test_refiner_flags_are_checked_before_any_rank(tmp_path, cache, capsys):
         (["--refiner-height", "40"], "--refiner-height=40 must be a multiple of 16"),
         (["--refiner-steps", "0"], "--refiner-steps=0 must be an integer in [1, 1000]"),
         (["--model", str(no_refiner), "--refiner-height", "48"],
-         f"need a release folder with refiner/; '{no_refiner}' has none"),
+         f"--refiner-height=48 needs the refiner stage, which --model {no_refiner} (config "
+         "MAGI-2-preview) does not run"),
     ):
         code = main(["generate", "--cache-dir", str(cache), "--output",
                      str(tmp_path / "o.mp4"), *REQUEST, *flags])
         assert code == 2
         assert words in capsys.readouterr().err
         assert not (tmp_path / "o.mp4").exists()
+
+
+def test_1080p_preset_is_the_540p_preview_then_the_refiner():
+    cfg = get_refiner_config("magi2-refiner")
+    dep = Deployment(get_config("magi2-preview"), refiner_config=cfg)
+    got = admit({"prompt": "a fox", "resolution": "1080p"}, dep)
+    assert (got.request.height, got.request.width) == (512, 896)
+    assert got.refiner == RefinerStage(1088, 1920, 5)
+    assert got.refiner.latent_thw(got.shape.video_latent[0]) == (63, 68, 120)
+    assert got.describe()["refiner"] == {"refiner_height": 1088, "refiner_width": 1920,
+                                         "refiner_steps": 5}
+    small = admit({"prompt": "a fox", "resolution": "1080p", "refiner_height": 544,
+                   "refiner_width": 960, "refiner_steps": 3}, dep)
+    assert small.refiner == RefinerStage(544, 960, 3)
+    assert admit({"prompt": "a fox", "resolution": "540p"}, dep).refiner is None
+    with pytest.raises(Refusal, match="resolution='1080p' needs the refiner stage"):
+        admit({"prompt": "a fox", "resolution": "1080p"}, Deployment(get_config("magi2-preview")))
+    with pytest.raises(Refusal, match="refiner_width=100 must be a multiple of 16"):
+        admit({"prompt": "a fox", "refiner_width": 100}, dep)
+    tight = dataclasses.replace(dep, budget=Budget(520 << 30, "test"))  # the preview fits
+    with pytest.raises(Refusal, match="the refiner stage at 1920x1088"):
+        admit({"prompt": "a fox", "resolution": "1080p"}, tight)

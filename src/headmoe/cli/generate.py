@@ -14,6 +14,7 @@ layout); errors name the flags. Then:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import sys
@@ -42,9 +43,9 @@ from headmoe.errors import Refusal, UserError
 from headmoe.pipeline.job import MIN_TIMEOUT_S
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
-from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE, VIDEO_DECODERS
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
 from headmoe.pipeline.sampler import SAMPLERS
+from headmoe.release.folder import RANDOM_WEIGHTS_NOTE, VIDEO_DECODERS
 
 #: the layout flags are the fields of `ParallelConfig` (dest = field name)
 LAYOUT_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ParallelConfig))
@@ -108,32 +109,12 @@ def _add_refiner_flags(p: argparse.ArgumentParser) -> None:
     stage = RefinerStage()
     p.add_argument("--refiner-height", type=int, default=None,
                    help="run the release's refiner (refiner/) after the preview, at this "
-                   f"height in pixels (a multiple of 16; with --refiner-width, default "
-                   f"{stage.height}); the clip gets 2T-1 latent frames at twice the fps")
+                   f"height in pixels (a multiple of 16; default {stage.height}, or the "
+                   "--resolution preset's); the clip gets 2T-1 latent frames at twice the fps")
     p.add_argument("--refiner-width", type=int, default=None,
                    help=f"refiner width in pixels (a multiple of 16; default {stage.width})")
     p.add_argument("--refiner-steps", type=int, default=None,
                    help=f"refiner sampler steps (default {stage.steps})")
-
-
-def refiner_stage(args: argparse.Namespace, release: Any, parallel: ParallelConfig) -> Any:
-    """The `RefinerStage` the refiner flags ask for (None: no refiner), checked against the
-    release's refiner/ and the layout. Raises `ValueError` naming the flag."""
-    from headmoe.models.refiner import validate_parallel
-
-    given = {k: getattr(args, k, None) for k in ("refiner_height", "refiner_width",
-                                                 "refiner_steps")}
-    if all(v is None for v in given.values()):
-        return None
-    if release is None or release.refiner is None:
-        where = "the embedded tiny release" if release is None else repr(release.root)
-        raise ValueError(f"refiner_height / refiner_width / refiner_steps need a release folder "
-                         f"with refiner/; {where} has none")
-    d = RefinerStage()
-    stage = RefinerStage(given["refiner_height"] or d.height, given["refiner_width"] or d.width,
-                         d.steps if given["refiner_steps"] is None else given["refiner_steps"])
-    validate_parallel(release.refiner_config, parallel)
-    return stage
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -222,8 +203,9 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resolution", default=None, metavar="{" + ",".join(RESOLUTIONS) + "}",
                    help="size preset: " + ", ".join(f"{k} = {w}x{h}" for k, (h, w) in
                                                       RESOLUTIONS.items())
-                   + " (1080p needs the refiner, not yet available) (default: 540p for "
-                   "MAGI-2 Preview; the tiny release uses --height/--width)")
+                   + " (1080p: the 896x512 preview, then the release's refiner/ at 1920x1088 "
+                   "and twice the fps) (default: 540p for MAGI-2 Preview; the tiny release "
+                   "uses --height/--width)")
     p.add_argument("--size", default=None, metavar="WxH",
                    help="width x height in pixels, e.g. 896x512 (the HTTP API's size field)")
     for field, kind, what in _PLAIN_FIELDS:
@@ -353,7 +335,6 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
         checks.check_output(output, args.overwrite, parallel.data_parallel_size)
         admitted, dep, checkpoint, release = _checked_model(args, given, parallel, world)
-        refiner = refiner_stage(args, release, parallel)
     except Refusal:
         raise
     except ValueError as exc:
@@ -378,7 +359,7 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
                "admission": admitted.describe()},
         release=release,
         image=image,
-        refiner=refiner,
+        refiner=admitted.refiner,
     )
     return job, world, dep
 
@@ -390,7 +371,7 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     encoder's token count."""
     from headmoe.cli.plan import stream_settings
     from headmoe.distributed.context import rank_device
-    from headmoe.pipeline.text_encoder import TokenCounter
+    from headmoe.release.text_encoder import TokenCounter
 
     device = rank_device().type
     budget = memory_budget(args.max_memory_gib, "--max-memory-gib", local_ranks(world), device)
@@ -427,13 +408,14 @@ def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: Pa
     ``--model``, with every header, the layout and the request (admission, memory estimate
     included) checked before any weight is built."""
     from headmoe.models.magi2 import check_checkpoint, validate_parallel
-    from headmoe.pipeline.magi2 import resolve_model
-    from headmoe.pipeline.release import is_release_folder
+    from headmoe.release.components import resolve_model
+    from headmoe.release.folder import is_release_folder
 
     if args.model == "tiny" or is_release_folder(args.model):
         release = _release(args, parallel)  # checks every header
         model_config, checkpoint = release.model_config, release.transformer
-        dep = deployment(args, model_config, parallel, world, release)
+        dep = dataclasses.replace(deployment(args, model_config, parallel, world, release),
+                                  refiner_config=release.refiner_config, offload=args.offload)
     else:
         release = None
         for name in ("video_decoder", "offload"):
@@ -466,7 +448,7 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     import dataclasses
 
     from headmoe.models.magi2 import get_config, validate_parallel
-    from headmoe.pipeline import release as rel
+    from headmoe.release import folder as rel
 
     video = args.video_decoder or "turbo"
     # --image needs the encoder; a server (image_encoder None) loads it when vae/ has it

@@ -22,6 +22,7 @@ from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.models.magi2.packing import image_rows
 from headmoe.models.streaming import DEFAULT_SLOTS
 from headmoe.pipeline.image import max_latent_size
+from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
 from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
@@ -91,8 +92,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Enumerate every valid (SP, CFG, DP, EP, MoE exchange) layout of a world "
         "and predict, per rank, the quantities the runtime counters measure.",
     )
-    p.add_argument("--model", choices=sorted(PRESETS), default="magi2-preview",
-                   help="model configuration preset (default: magi2-preview)")
+    p.add_argument(
+        "--model",
+        default="magi2-preview",
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a release folder (its "
+        "preview/config.json, or MAGI-2 Preview's without one; its components size the "
+        "encoder and decoder columns)",
+    )
     p.add_argument("--world-size", type=int, required=True,
                    help=f"ranks of the world to plan (1 to {MAX_WORLD_SIZE:,})")
     add_request_arguments(p)
@@ -142,9 +148,60 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="host-to-device GB/s per GPU the streamed step-time bound assumes (default "
         f"{DEFAULT_H2D_GBPS:g})",
     )
+    p.add_argument("--resolution", default=None, choices=sorted(RESOLUTIONS),
+                   help="size preset of the request (replaces --height/--width; 1080p: the "
+                   "540p preview and the refiner stage at 1920x1088)")
+    p.add_argument("--refiner-height", type=int, default=None,
+                   help="add the refiner stage at this height in pixels (default 1088, or the "
+                   "--resolution preset's)")
+    p.add_argument("--refiner-width", type=int, default=None,
+                   help="refiner width in pixels (default 1920 when only the height is given)")
+    p.add_argument("--refiner-steps", type=int, default=None, help="refiner steps (default 5)")
+    p.add_argument("--wide", action="store_true",
+                   help="every column (attention heads, peers, expert and component bytes)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
     return p
+
+
+def refiner_section(args: argparse.Namespace, request: RequestShape, plans: list[LayoutPlan]
+                    ) -> tuple[dict[str, Any] | None, str]:
+    """The refiner stage of ``plan`` (`headmoe.planner.refiner`): (JSON object, text), or
+    (None, "") without the refiner flags."""
+    from headmoe.admission import REFINER_FIELDS, check_given, refiner_stage
+    from headmoe.models.refiner import get_refiner_config
+    from headmoe.planner.refiner import plan_refiner
+
+    given = {k: getattr(args, k) for k in ("resolution", *REFINER_FIELDS)
+             if getattr(args, k, None) is not None}
+    check_given(given)  # a Refusal names the flag
+    stage = refiner_stage(given)
+    if stage is None:
+        return None, ""
+    cfg = get_refiner_config("magi2-refiner")
+    thw = stage.latent_thw(request.video_latent[0])
+    work, rplans = plan_refiner(cfg, thw, request.text_tokens[0], [p.parallel for p in plans],
+                                DTYPES[args.dtype], stage.steps)
+    data = {**stage.to_dict(), "model": cfg.name, "latent": list(thw),
+            "video_tokens": work.video_tokens, "text_tokens": work.text_tokens,
+            "attention_pairs": work.pairs, "video_keys_per_query": work.video_keys_per_query,
+            "dense_fraction": work.dense_fraction, "linear_flop": work.linear_flop,
+            "attention_flop": work.attention_flop, "layouts": [r.to_dict() for r in rplans]}
+    lines = [f"Refiner stage ({cfg.name}, {stage.width}x{stage.height}, latent "
+             f"{thw[0]}x{thw[1]}x{thw[2]}: {work.video_tokens:,} video + {work.text_tokens} "
+             f"text tokens; {stage.steps} steps x 2 forwards): per forward "
+             f"{work.flop / 1e15:.2f} PFLOP (linears {work.linear_flop / 1e15:.2f}, attention "
+             f"{work.attention_flop / 1e15:.2f}: {work.pairs:.4g} pairs, "
+             f"{work.video_keys_per_query:,.1f} video keys per video query, "
+             f"{100 * work.dense_fraction:.2f}% of dense)", "",
+             "| SP | CFG | weights GiB | activations GiB | total GiB | forwards/rank | "
+             "PFLOP/rank |", "|---|---|---|---|---|---|---|"]
+    for r in rplans:
+        m = r.memory
+        lines.append(f"| {r.ulysses_degree} | {r.cfg_parallel_size} | {m.weights / GIB:.2f} | "
+                     f"{m.activations / GIB:.2f} | {m.total / GIB:.2f} | "
+                     f"{r.forwards_per_rank} | {r.flop_per_rank / 1e15:.2f} |")
+    return data, "\n".join(lines)
 
 
 register = add_parser
@@ -153,7 +210,9 @@ register = add_parser
 
 def request_from_args(args: argparse.Namespace) -> RequestShape:
     """The request shape of the flags, through admission's rules (`check_given`: ranges and
-    the decoders' geometry; `Refusal` names the field) and the text encoder's token limit."""
+    the decoders' geometry; `Refusal` names the field) and the text encoder's token limit;
+    ``--resolution`` (plan only) sets the preview's height and width (1080p: the 540p
+    preview of the refiner stage)."""
     from headmoe.admission import check_given
     from headmoe.pipeline.released import MAX_TEXT_TOKENS
 
@@ -163,9 +222,12 @@ def request_from_args(args: argparse.Namespace) -> RequestShape:
         if not 1 <= value <= MAX_TEXT_TOKENS:
             raise UserError(f"{flag} must be in [1, {MAX_TEXT_TOKENS}] (the text encoder keeps "
                             f"at most {MAX_TEXT_TOKENS} tokens), got {value}")
+    height, width = args.height, args.width
+    if getattr(args, "resolution", None) is not None:
+        height, width = check_given({"resolution": args.resolution})["resolution"]
     return RequestShape.from_media(
-        height=args.height,
-        width=args.width,
+        height=height,
+        width=width,
         num_frames=args.num_frames,
         fps=args.fps,
         text_tokens=args.text_tokens,
@@ -173,10 +235,24 @@ def request_from_args(args: argparse.Namespace) -> RequestShape:
     )
 
 
-def format_table(plans: list[LayoutPlan], reason: str) -> str:
-    """The plan as a Markdown table plus the recommendation line. "auto" marks the exchange
-    mode the MoE layer's "auto" rule picks."""
+#: the columns of the default table (`--wide`: every column of `_row`) and their short
+#: headers, explained in `LEGEND`
+NARROW = {"layout": "layout", "MoE heads/rank (+pad)": "MoE heads (+pad)",
+          "busiest MoE rows/layer": "MoE rows", "MiB sent/rank/layer (MoE + Ulysses)":
+          "MiB sent", "weights GiB/rank": "weights GiB", "busiest rank GiB": "busiest GiB",
+          "pick": "pick"}
+LEGEND = ("Per rank: MoE heads held (+ zero padding); MoE rows: the busiest rank's (token, "
+          "head) rows per MoE layer; MiB sent: MoE + Ulysses all-to-all bytes per layer; "
+          "weights GiB: transformer weights; busiest GiB: with the text encoder and decoders "
+          "(--wide: every column).")
+
+
+def format_table(plans: list[LayoutPlan], reason: str, wide: bool = False) -> str:
+    """The plan as a Markdown table (`NARROW` columns, every column with ``wide``) plus
+    the recommendation: its reason and the `generate` flags that run it. "auto" marks the
+    exchange mode the MoE layer's "auto" rule picks."""
     head = (
+        "layout",
         "SP x CFG x DP",
         "EP",
         "MoE exchange",
@@ -185,6 +261,7 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
         "busiest MoE rows/layer",
         "MoE MiB sent/rank/layer",
         "Ulysses MiB sent/rank/layer",
+        "MiB sent/rank/layer (MoE + Ulysses)",
         "a2a peers Uly/MoE",
         "expert GiB/rank",
         "weights GiB/rank",
@@ -193,11 +270,41 @@ def format_table(plans: list[LayoutPlan], reason: str) -> str:
         "busiest rank GiB",
         "pick",
     )
+    keep = [i for i, h in enumerate(head) if wide or h in NARROW]
+    shown = head if wide else tuple(NARROW.get(h, h) for h in head)
     autos = {_exchange_key(p, p.auto_exchange) for p in plans}
-    rows = [head, tuple("---" for _ in head)] + [_row(p, autos) for p in plans]
-    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    rows = [shown, tuple("---" for _ in head)] + [_row(p, autos) for p in plans]
+    lines = ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]
+    if not wide:
+        lines.append("\n" + LEGEND)
     best = next(p for p in plans if p.recommended)
-    return "\n".join(lines) + f"\n\nRecommended: {best.name} — {reason}."
+    return "\n".join(lines) + (f"\n\nRecommended: {best.name} — {reason}.\nRun it with: "
+                               f"{recommended_command(best)}")
+
+
+def recommended_command(plan: LayoutPlan) -> str:
+    """The `headmoe generate` flags of ``plan``'s layout (`--nproc` included; the flags at
+    generate's defaults left out)."""
+    from headmoe.cli.compare import layout_flags
+    from headmoe.config import ParallelConfig
+
+    par = plan.parallel
+    if plan.moe_exchange != plan.auto_exchange:
+        par = dataclasses.replace(par, moe_exchange=plan.moe_exchange)
+    defaults = _flag_groups(layout_flags(ParallelConfig()))
+    given = [g for g in _flag_groups(layout_flags(par)) if g[0] == "--nproc" or g not in defaults]
+    return " ".join(["headmoe generate", *(x for g in given for x in g)])
+
+
+def _flag_groups(flags: list[str]) -> list[list[str]]:
+    """``["--a", "1", "--b"]`` -> ``[["--a", "1"], ["--b"]]``."""
+    groups: list[list[str]] = []
+    for x in flags:
+        if x.startswith("--"):
+            groups.append([x])
+        else:
+            groups[-1].append(x)
+    return groups
 
 
 def _exchange_key(p: LayoutPlan, exchange: str) -> tuple:
@@ -210,7 +317,10 @@ def _row(p: LayoutPlan, autos: set[tuple]) -> tuple[str, ...]:
     """One layout's cells, in the order of `format_table`'s header."""
     par = p.parallel
     auto = " (auto)" if _exchange_key(p, p.moe_exchange) in autos else ""
+    named = p.name + (auto if "_group" in p.name else "")
+    sent = p.moe_bytes_sent_per_rank + p.ulysses_bytes_sent_per_rank
     return (
+        named,
         f"{par.ulysses_degree} x {par.cfg_parallel_size} x {par.data_parallel_size}",
         str(p.expert_parallel_size),
         p.moe_exchange + auto,
@@ -219,6 +329,7 @@ def _row(p: LayoutPlan, autos: set[tuple]) -> tuple[str, ...]:
         f"{p.busiest_moe_rows:,}",
         f"{p.moe_bytes_sent_per_rank / MIB:,.2f}",
         f"{p.ulysses_bytes_sent_per_rank / MIB:,.2f}",
+        f"{sent / MIB:,.2f}",
         f"{p.ulysses_peers}/{p.moe_peers}",
         f"{p.expert_weight_bytes_per_rank / GIB:,.2f}",
         f"{p.weight_bytes_per_rank / GIB:,.2f}",
@@ -270,7 +381,7 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
            f"{request.image_tokens} image tokens per branch)" if image else "")
         + f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
     )
-    print(format_table(plans, reason))
+    print(format_table(plans, reason, getattr(args, "wide", False)))
     if streamed:
         print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
               "page cache of the checkpoint's streamed bytes the node's ranks read, "
@@ -284,12 +395,28 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
               "between uses).")
 
 
+def model_from_arg(args: argparse.Namespace) -> Any:
+    """The `Magi2Config` of ``--model``: a preset, or a release folder's (`release_config`;
+    the folder then also sizes the components unless ``--release`` names another)."""
+    if args.model in PRESETS:
+        return get_config(args.model)
+    if not os.path.isdir(args.model):
+        raise UserError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
+                        " nor a release folder")
+    from pathlib import Path
+
+    from headmoe.release.folder import release_config
+
+    args.release = args.release or args.model
+    return release_config(Path(args.model))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run `plan` for parsed `args`; prints to stdout, returns the exit code."""
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise UserError(f"--world-size must be a positive number of ranks, at most "
                         f"{MAX_WORLD_SIZE:,}, got {args.world_size}, e.g. --world-size 8")
-    model = get_config(args.model)  # a ValueError is reported by headmoe.cli.errors
+    model = model_from_arg(args)  # a ValueError is reported by headmoe.cli.errors
     request = request_from_args(args)
     if not (math.isfinite(args.memory_gib) and 0 <= args.memory_gib <= MAX_BUDGET_GIB):
         raise UserError(f"--memory-gib must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
@@ -308,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
                                parts, args.ranks_per_node, args.offload, stream, args.h2d_gbps)
+    refiner_data, refiner_text = refiner_section(args, request, plans)
     if args.json:
         print(
             json.dumps(
@@ -327,12 +455,15 @@ def run(args: argparse.Namespace) -> int:
                     },
                     "recommendation": reason,
                     "layouts": [p.to_dict() for p in plans],
+                    "refiner": refiner_data,
                 },
                 indent=2,
             )
         )
     else:
         print_text(args, model, request, parts, plans, reason, stream is not None, memory)
+        if refiner_text:
+            print("\n" + refiner_text)
     return 0
 
 

@@ -16,6 +16,7 @@ SIGTERM (or Ctrl-C) drains: no new jobs, the current one finishes or is cancelle
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import socket
@@ -137,7 +138,8 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
                      job.request.dtype, output_dir, args.host, args.port, args.api_key,
                      args.max_queue, args.timeout, args.drain_timeout,
                      dep.budget.limit, log_level=args.log_level, release=job.release,
-                     deployment=dep, offload_layers=job.offload_layers,
+                     deployment=dataclasses.replace(dep, refiner_config=None),  # no 1080p yet
+                     offload_layers=job.offload_layers,
                      resident_layers=job.resident_layers)
     return spec, world
 
@@ -181,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     env = torchrun_env()
     if env is None or env.rank == 0:
         if args.model == "tiny":
-            from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE
+            from headmoe.release.folder import RANDOM_WEIGHTS_NOTE
 
             print(f"headmoe serve: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
         print(f"headmoe serve: checked the flags and the model folder; starting {world} "

@@ -270,6 +270,23 @@ def materialise_except(root: nn.Module, skip: Sequence[nn.Module], device: torch
                 module._buffers[name] = torch.empty_like(b, device=device)
 
 
+def attach_streamer(
+    model: nn.Module, layers: Sequence[nn.Module], streamed: Sequence[int],
+    load: Callable[[Callable[[str], bool]], Any], reads: Callable[[int], list[TensorRead]],
+    files: dict[str, str], context: Any, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
+) -> LayerStreamer:
+    """The common end of a model family's streamed build: `model` (built on the meta
+    device) gets real tensors outside its streamed `layers`, `load(skip)` loads them (skip:
+    the streamed layers' `block.layers.{i}.` names), and a `LayerStreamer` over the mapped
+    `files` (stored name -> file) streams the rest with `reads(i)`, on `context.device`
+    with `context.counters`."""
+    materialise_except(model, [layers[i] for i in streamed], context.device)
+    load(lambda name: layer_index(name) in streamed)
+    return LayerStreamer(layers, streamed, {i: reads(i) for i in streamed},
+                         MappedCheckpoint(files), context.device, slots,
+                         counters=context.counters, timeout_s=timeout_s)
+
+
 def _set_tensor(layer: nn.Module, name: str, value: torch.Tensor) -> None:
     mod, _, attr = name.rpartition(".")
     owner = layer.get_submodule(mod)

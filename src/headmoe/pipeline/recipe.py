@@ -31,8 +31,9 @@ from headmoe.pipeline.request import GenerateRequest
 #: resolution presets: name -> (height, width) of the transformer's video
 RESOLUTIONS: dict[str, tuple[int, int]] = {"272p": (256, 448), "540p": (512, 896),
                                            "1080p": (1088, 1920)}
-#: presets that need the refiner (REFINER.md): the 540p preview, then 1920 x 1088
-REFINER_RESOLUTIONS = frozenset({"1080p"})
+#: presets that need the refiner (REFINER.md) -> the preset of their preview stage: 1080p
+#: is the 540p preview, then the refiner at 1920 x 1088
+REFINER_RESOLUTIONS: dict[str, str] = {"1080p": "540p"}
 #: the released clip: 10 s at 12.5 fps
 RELEASED_SECONDS, RELEASED_FPS = 10.0, 12.5
 

@@ -238,12 +238,33 @@ def _streamed(p: LayoutPlan) -> int:
     return 0 if p.streaming is None else p.streaming.estimate.bytes_per_step
 
 
+def _ranked_rows(plans: list[LayoutPlan]) -> list[int]:
+    """Each plan's busiest MoE rows as `recommend` ranks them. An ``sp_group`` layout whose
+    ``ep_group`` twin (same SP, CFG, DP and EP) has at most ``E x heads per rank`` more rows
+    ranks with its twin's rows: the guide's rule (``auto`` is ``ep_group``: fewer bytes to
+    fewer peers, and the balanced SP split keeps the EP runs within E tokens of each other),
+    so ``sp_group`` is picked only for a larger saving than that split's slack."""
+    def key(p: LayoutPlan) -> tuple[int, int, int, int]:
+        par = p.parallel
+        return (par.ulysses_degree, par.cfg_parallel_size, par.data_parallel_size,
+                p.expert_parallel_size)
+
+    ep_rows = {key(p): p.busiest_moe_rows for p in plans if p.moe_exchange == "ep_group"}
+    ranked = []
+    for p in plans:
+        twin = ep_rows.get(key(p)) if p.moe_exchange == "sp_group" else None
+        slack = p.expert_parallel_size * p.moe_heads_per_rank
+        ranked.append(twin if twin is not None and twin - p.busiest_moe_rows <= slack
+                      else p.busiest_moe_rows)
+    return ranked
+
+
 def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, str]:
     """Index of the recommended plan and a one-line reason: among layouts whose transformer
     weights (streamed: `LayoutPlan.fit_bytes`) fit `memory_bytes` per rank (all when None),
     with streaming first the fewest bytes streamed per rank per step, then the fewest
-    busiest-rank MoE rows
-    (the MoE compute of the slowest rank), then the fewest bytes sent per rank per forward,
+    busiest-rank MoE rows (the MoE compute of the slowest rank; an ``sp_group`` saving within
+    the SP split's slack counts as none, `_ranked_rows`), then the fewest bytes sent per rank per forward,
     then the fewest expert bytes per rank. Raises `ValueError` when no layout fits. (The
     components' bytes are reported, `LayoutPlan.busiest_rank_bytes`, not filtered on: they
     can be offloaded.)"""
@@ -257,12 +278,13 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
             f"needs {least:.1f} GiB {what}), pass --memory-gib {math.ceil(least)} or more, "
             "or a larger --world-size"
         )
-    best = min(fits, key=lambda i: (_streamed(plans[i]), plans[i].busiest_moe_rows,
+    rows = _ranked_rows(plans)
+    best = min(fits, key=lambda i: (_streamed(plans[i]), rows[i],
                                     plans[i].bytes_sent_per_forward,
                                     plans[i].expert_weight_bytes_per_rank))
     b = plans[best]
     tied = [plans[i].name for i in fits if i != best and (
-        _streamed(plans[i]), plans[i].busiest_moe_rows) == (_streamed(b), b.busiest_moe_rows)]
+        _streamed(plans[i]), rows[i]) == (_streamed(b), rows[best])]
     reason = f"fewest busiest-rank MoE rows ({b.busiest_moe_rows:,} per layer)"
     if b.streaming is not None:  # copying the layers dominates a streamed step
         reason = (f"fewest weight bytes streamed per rank per step ({_streamed(b) / 1e9:,.1f} "

@@ -198,16 +198,22 @@ class Magi2Config:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> Magi2Config:
         """`from_dict` of a JSON file; errors name the file."""
-        path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"model config {path!r} is not a readable JSON file: {e}") from None
-        try:
-            return cls.from_dict(data, name=os.path.splitext(os.path.basename(path))[0])
-        except ValueError as e:
-            raise ValueError(f"model config {path!r}: {e}") from None
+        return config_from_json(cls.from_dict, path, "model config")
+
+
+def config_from_json(from_dict: Any, path: str | os.PathLike, what: str) -> Any:
+    """``from_dict(data, name=<file stem>)`` of the JSON file ``path``; a `ValueError`
+    naming ``what`` and the file when it cannot be read or does not fit."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{what} {path!r} is not a readable JSON file: {e}") from None
+    try:
+        return from_dict(data, name=os.path.splitext(os.path.basename(path))[0])
+    except ValueError as e:
+        raise ValueError(f"{what} {path!r}: {e}") from None
 
 
 #: public schema: top-level key -> our field (None: checked, then dropped)

@@ -36,11 +36,9 @@ from headmoe.models.streaming import (
     DEFAULT_SLOTS,
     FLOAT_DTYPES,
     LayerStreamer,
-    MappedCheckpoint,
     TensorRead,
+    attach_streamer,
     check_slots,
-    layer_index,
-    materialise_except,
     split_layers,
 )
 from headmoe.moe import MultiHeadMoE, read_moe_rows
@@ -238,10 +236,10 @@ def load_checkpoint(
                 batch[name] = tensor
                 held += tensor.numel() * tensor.element_size()
                 if held >= max_batch_bytes:
-                    _flush(model, batch)
+                    flush_batch(model, batch)
                     held = 0
-    _flush(model, batch)
-    _flush(model, biases)
+    flush_batch(model, batch)
+    flush_batch(model, biases)
     return report
 
 
@@ -275,22 +273,19 @@ def stream_layers(
     streaming`); everything else is loaded once (`load_checkpoint`). Checks every header
     first; refuses a bad `resident_layers` / `slots` before anything is allocated."""
     path = os.fspath(path)
-    resident, streamed = split_layers(config.num_layers, resident_layers)
+    _, streamed = split_layers(config.num_layers, resident_layers)
     check_slots(slots)
     headers, report = check_checkpoint(config, path, dtype)
     with torch.device("meta"):
         model = Magi2Transformer(config, context, dtype=dtype)
-    layers = model.block.layers
-    materialise_except(model, [layers[i] for i in streamed], context.device)
-    load_checkpoint(model, path, skip=lambda n: layer_index(n) in streamed)
-    source = MappedCheckpoint({report.prefix + n: f for n, (f, _, _) in headers.items()})
-    reads = {i: layer_reads(model, i, report.prefix) for i in streamed}
-    streamer = LayerStreamer(layers, streamed, reads, source, context.device, slots,
-                             counters=context.counters, timeout_s=timeout_s)
-    return model, streamer
+    files = {report.prefix + n: f for n, (f, _, _) in headers.items()}
+    return model, attach_streamer(
+        model, model.block.layers, streamed, lambda skip: load_checkpoint(model, path, skip=skip),
+        lambda i: layer_reads(model, i, report.prefix), files, context, slots, timeout_s)
 
 
-def _flush(model: Magi2Transformer, tensors: dict[str, torch.Tensor]) -> None:
+def flush_batch(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy a batch of checked tensors (name -> tensor) into `model` and empty the batch."""
     result = model.load_state_dict(tensors, strict=False)
     assert not result.unexpected_keys, result.unexpected_keys  # names checked above
     tensors.clear()

@@ -292,11 +292,12 @@ class Rope(nn.Module):
 
 class PreAdapter(nn.Module):
     """fp32 per-modality embedders `{video,text,audio}_embedder` (weight `[V, in_m]`, bias
-    `[V]`; the V columns are the n streams, stream-major) and the rotary bands."""
+    `[V]`; the V columns are the n streams, stream-major) and the rotary bands. `width`
+    replaces V (the refiner's adapters: C, one stream)."""
 
-    def __init__(self, config: Magi2Config) -> None:
+    def __init__(self, config: Magi2Config, width: int | None = None) -> None:
         super().__init__()
-        v = config.mhc_width
+        v = config.mhc_width if width is None else width
         self.video_embedder = Linear(config.video_in_channels, v, bias=True)
         self.text_embedder = Linear(config.text_in_channels, v, bias=True)
         self.audio_embedder = Linear(config.audio_in_channels, v, bias=True)
@@ -309,11 +310,11 @@ class PreAdapter(nn.Module):
 
 class PostAdapter(nn.Module):
     """fp32 final_norm_{video,audio}.weight `[V]`, final_linear_{video,audio}.weight
-    `[out, V]` (no bias)."""
+    `[out, V]` (no bias); `width` replaces V."""
 
-    def __init__(self, config: Magi2Config) -> None:
+    def __init__(self, config: Magi2Config, width: int | None = None) -> None:
         super().__init__()
-        v = config.mhc_width
+        v = config.mhc_width if width is None else width
         self.final_norm_video = RMSNorm(v, config.norm_eps)
         self.final_norm_audio = RMSNorm(v, config.norm_eps)
         self.final_linear_video = Linear(v, config.video_in_channels)

@@ -9,7 +9,6 @@ section (the `arch` object of golden/magi2_refiner/config.json).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 from headmoe.config import ParallelConfig, check_positive_int, is_int
-from headmoe.models.magi2.config import MODALITIES, PARAMS_DTYPES
+from headmoe.models.magi2.config import MODALITIES, PARAMS_DTYPES, config_from_json
 
 
 @dataclass(frozen=True)
@@ -142,16 +141,7 @@ class Magi2RefinerConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> Magi2RefinerConfig:
         """`from_dict` of a JSON file; errors name the file."""
-        path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"refiner config {path!r} is not a readable JSON file: {e}") from None
-        try:
-            return cls.from_dict(data, name=os.path.splitext(os.path.basename(path))[0])
-        except ValueError as e:
-            raise ValueError(f"refiner config {path!r}: {e}") from None
+        return config_from_json(cls.from_dict, path, "refiner config")
 
 
 #: upstream field -> value the released refiner has (anything else is refused)

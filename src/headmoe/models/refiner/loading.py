@@ -19,16 +19,19 @@ import torch
 from safetensors import safe_open
 
 from headmoe.distributed.context import ParallelContext
-from headmoe.models.magi2.loading import LoadReport, check_headers, write_random_tensors
+from headmoe.models.magi2.loading import (
+    LoadReport,
+    check_headers,
+    flush_batch,
+    write_random_tensors,
+)
 from headmoe.models.refiner.config import Magi2RefinerConfig
 from headmoe.models.refiner.model import Magi2Refiner
 from headmoe.models.streaming import (
     DEFAULT_SLOTS,
     LayerStreamer,
-    MappedCheckpoint,
+    attach_streamer,
     check_slots,
-    layer_index,
-    materialise_except,
     split_layers,
     whole_reads,
 )
@@ -89,9 +92,9 @@ def load_refiner(
                 batch[name] = tensor
                 held += tensor.numel() * tensor.element_size()
                 if held >= max_batch_bytes:
-                    _flush(model, batch)
+                    flush_batch(model, batch)
                     held = 0
-    _flush(model, batch)
+    flush_batch(model, batch)
     return report
 
 
@@ -109,18 +112,11 @@ def stream_refiner(
     with torch.device("meta"):
         model = Magi2Refiner(config, context, dtype=dtype)
     layers = model.block.layers
-    materialise_except(model, [layers[i] for i in streamed], context.device)
-    load_refiner(model, path, skip=lambda n: layer_index(n) in streamed)
-    source = MappedCheckpoint({report.prefix + n: f for n, (f, _, _) in headers.items()})
-    reads = {i: whole_reads(layers[i], f"{report.prefix}block.layers.{i}.") for i in streamed}
-    return model, LayerStreamer(layers, streamed, reads, source, context.device, slots,
-                                counters=context.counters, timeout_s=timeout_s)
-
-
-def _flush(model: Magi2Refiner, tensors: dict[str, torch.Tensor]) -> None:
-    result = model.load_state_dict(tensors, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys  # names checked above
-    tensors.clear()
+    files = {report.prefix + n: f for n, (f, _, _) in headers.items()}
+    return model, attach_streamer(
+        model, layers, streamed, lambda skip: load_refiner(model, path, skip=skip),
+        lambda i: whole_reads(layers[i], f"{report.prefix}block.layers.{i}."), files, context,
+        slots, timeout_s)
 
 
 def write_random_refiner(

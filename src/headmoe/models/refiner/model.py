@@ -40,11 +40,12 @@ from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import gather_rows, ulysses_heads_to_seq, ulysses_seq_to_heads
 from headmoe.distributed.sharding import sp_rows, sp_token_counts
 from headmoe.layers.activations import sigmoid, swiglu7
-from headmoe.layers.linear import Linear, ModalityLinear
-from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
+from headmoe.layers.linear import ModalityLinear
+from headmoe.layers.norms import ModalityRMSNorm
 from headmoe.layers.range_attention import RangePlan, range_attention
-from headmoe.layers.rope import apply_rope, default_bands, rope_table, split_table
+from headmoe.layers.rope import apply_rope, rope_table, split_table
 from headmoe.models.magi2.config import MODALITIES, VIDEO
+from headmoe.models.magi2.model import PostAdapter, PreAdapter
 from headmoe.models.refiner.config import Magi2RefinerConfig, validate_parallel
 from headmoe.models.refiner.packing import RefinerPacked, attention_plan, pack_refiner, unpack_video
 from headmoe.models.streaming import present
@@ -178,43 +179,6 @@ class RefinerBlock(nn.Module):
         self.layers = nn.ModuleList(RefinerLayer(config, i, dtype) for i in range(config.num_layers))
 
 
-class RefinerRope(nn.Module):
-    """`bands` `[B]` fp32 buffer (checkpoint `pre_adapter.rope.bands`)."""
-
-    def __init__(self, bands: int):
-        super().__init__()
-        self.register_buffer("bands", default_bands(bands))
-
-
-class RefinerPreAdapter(nn.Module):
-    """fp32 `{video,text,audio}_embedder` (weight `[C, in_m]`, bias `[C]`), rotary bands."""
-
-    def __init__(self, config: Magi2RefinerConfig):
-        super().__init__()
-        c = config.hidden_size
-        self.video_embedder = Linear(config.video_in_channels, c, bias=True)
-        self.text_embedder = Linear(config.text_in_channels, c, bias=True)
-        self.audio_embedder = Linear(config.audio_in_channels, c, bias=True)
-        self.rope = RefinerRope(config.rope_bands)
-
-    def embedders(self) -> tuple[Linear, Linear, Linear]:
-        """In modality order (video, audio, text)."""
-        return self.video_embedder, self.audio_embedder, self.text_embedder
-
-
-class RefinerPostAdapter(nn.Module):
-    """fp32 final_norm_{video,audio}.weight `[C]`, final_linear_{video,audio}.weight
-    `[out, C]` (no bias)."""
-
-    def __init__(self, config: Magi2RefinerConfig):
-        super().__init__()
-        c = config.hidden_size
-        self.final_norm_video = RMSNorm(c, config.norm_eps)
-        self.final_norm_audio = RMSNorm(c, config.norm_eps)
-        self.final_linear_video = Linear(c, config.video_in_channels)
-        self.final_linear_audio = Linear(c, config.audio_in_channels)
-
-
 class Magi2Refiner(nn.Module):
     """The refiner, sharded by the given `ParallelContext` (Ulysses SP; CFG and DP only
     choose which forwards a rank runs). `dtype` (fp32 or bf16) is the dtype of the layer
@@ -232,9 +196,9 @@ class Magi2Refiner(nn.Module):
         validate_parallel(config, context.config)
         self.config, self.context, self.dtype = config, context, dtype
         self.mlp_chunk_rows = mlp_chunk_rows
-        self.pre_adapter = RefinerPreAdapter(config)
+        self.pre_adapter = PreAdapter(config, width=config.hidden_size)
         self.block = RefinerBlock(config, dtype)
-        self.post_adapter = RefinerPostAdapter(config)
+        self.post_adapter = PostAdapter(config, width=config.hidden_size)
 
     @property
     def device(self) -> torch.device:
