@@ -28,7 +28,7 @@ from headmoe.config import check_positive_int, is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
 from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
-from headmoe.pipeline.video_latents import SPATIAL_STRIDE
+from headmoe.release.video_latents import SPATIAL_STRIDE
 
 #: the refiner's released evaluation fields (REFINER.md section 2)
 REFINER_STEPS = 5
@@ -37,7 +37,7 @@ REFINER_GUIDANCE = 2.0
 REFINER_NOISE_INDEX = 220
 #: latent frames per preview frame interval (the refined clip has 2T - 1 latent frames at
 #: twice the preview's fps); a refiner latent cell is `SPATIAL_STRIDE` pixels, as the
-#: preview's (the decoders' rule, `headmoe.pipeline.video_latents`)
+#: preview's (the decoders' rule, `headmoe.release.video_latents`)
 REFINER_FPS_FACTOR = 2
 #: limits of a request's refiner size (pixels) and steps
 MAX_REFINER_SIDE = 4096
