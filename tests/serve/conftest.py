@@ -1,7 +1,7 @@
 import pytest
 
 from tests.goldens import golden_file
-from tests.serve.server import REQUEST, generate_hashes
+from tests.serve.server import REFINED, REQUEST, generate_hashes
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +25,10 @@ def i2v_reference(tmp_path_factory, tiny_cache):
     """``headmoe generate --image I2V_IMAGE``'s (video_sha256, audio_sha256) of `REQUEST`."""
     return generate_hashes(tmp_path_factory.mktemp("generate-i2v"), tiny_cache,
                            {**REQUEST, "image": str(I2V_IMAGE)})
+
+
+@pytest.fixture(scope="session")
+def refined_reference(tmp_path_factory, tiny_cache):
+    """``headmoe generate``'s (video_sha256, audio_sha256) of `REFINED` (the tiny release's
+    refiner/ at a small size after the preview)."""
+    return generate_hashes(tmp_path_factory.mktemp("generate-refined"), tiny_cache, REFINED)

@@ -24,6 +24,8 @@ REQUEST = {
     "num_inference_steps": 2,
     "guidance_scale": 4.0,
 }
+#: `REQUEST` with the refiner stage (the 1080p path) at a CPU-sized 64 x 96, 2 steps
+REFINED = {**REQUEST, "refiner_height": 64, "refiner_width": 96, "refiner_steps": 2}
 
 
 class Server:

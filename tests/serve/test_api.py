@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from headmoe.pipeline.media import read_mp4
-from tests.serve.server import REQUEST, Server, finished, wait_for
+from tests.serve.server import REFINED, REQUEST, Server, finished, wait_for
 
 KEY = "s3cret-key"
 LONG = {**REQUEST, "num_inference_steps": 500}
@@ -76,6 +76,23 @@ def test_submit_poll_fetch_equals_generate(server, client, reference):
     assert listed["object"] == "list" and job["id"] in [v["id"] for v in listed["data"]]
 
 
+def test_refined_request_equals_generate(server, client, refined_reference, reference):
+    """The refiner stage (1080p's) on the served tiny release: generate's bytes."""
+    r = client.post("/v1/videos", json=REFINED)
+    assert r.status_code == 200, r.text
+    job = r.json()
+    assert job["refiner"] == {k: REFINED[k] for k in ("refiner_height", "refiner_width",
+                                                      "refiner_steps")}
+    done = wait_for(client, job["id"], finished)
+    assert done["status"] == "completed" and done["progress"] == 100, done
+    assert done["steps_completed"] == 2 + 2  # preview then refiner steps
+    assert (done["video_sha256"], done["audio_sha256"]) == refined_reference
+    assert refined_reference[0] != reference[0] and refined_reference[1] == reference[1]
+    assert done["refiner"]["latent"] == [7, 4, 6, 48]  # 2T - 1 = 7 latent frames
+    frames, _, fps, _ = read_mp4(server.output_dir / f"{job['id']}.mp4")
+    assert frames.shape == (25, 64, 96, 3) and fps == 25.0  # 4 (2T - 1) - 3 at twice 12.5
+
+
 def test_seconds_and_fps_give_num_frames(client):
     job = client.post("/v1/videos", json={**REQUEST, "seconds": "0.72", "fps": 25.0}).json()
     # the largest 4k+1 <= 0.72 x 25 = 18 frames: 17 (headmoe's extension, noted)
@@ -104,7 +121,9 @@ BAD = [
     ({"height": 16 * 10**200}, "height", "(202 characters)"),
     ({"num_inference_steps": 1_000_000_000_000}, "num_inference_steps", "1000000000000"),
     ({"size": "896x500"}, "size", "'896x500'"),
-    ({"resolution": "1080p"}, "resolution", "refiner"),
+    ({"refiner_height": 50}, "refiner_height", "50"),
+    ({"refiner_width": "96"}, "refiner_width", "'96'"),
+    ({"refiner_steps": 0}, "refiner_steps", "0"),
     ({"seconds": -1}, "seconds", "-1"),
     ({"fps": 0}, "fps", "0"),
     ({"shift": -2.0}, "shift", "-2.0"),

@@ -104,3 +104,49 @@ def test_streamed_layers_reach_every_served_job(tiny_cache, tmp_path):
     job = spec.job(GenerateRequest(prompt="a fox"), None, {})
     assert world == 1 and job.offload_layers and job.resident_layers == 1
     assert spec.deployment.stream.resident_layers == 1  # admitted with the streamed estimate
+
+
+def _serve_spec(tiny_cache, tmp_path, *flags):
+    from headmoe.cli.main import build_parser
+    from headmoe.cli.serve import build_spec
+
+    args = build_parser().parse_args(["serve", "--cache-dir", str(tiny_cache), "--output-dir",
+                                      str(tmp_path / "o"), *flags])
+    return build_spec(args)[0]
+
+
+def test_1080p_admitted_with_refiner_refused_without(tiny_cache, tmp_path):
+    """resolution "1080p" and the refiner fields go through generate's admission: on the
+    tiny release (refiner/) the stage is admitted and loaded; on a bare transformer
+    checkpoint (no refiner) the request is refused naming the field."""
+    from headmoe.pipeline.refine import RefinerStage
+    from headmoe.serve.validate import RequestError, VideoCreate, admit_body
+
+    spec = _serve_spec(tiny_cache, tmp_path)
+    assert spec.has_refiner and spec.deployment.refiner_config is not None
+    body = VideoCreate(prompt="a fox", resolution="1080p", refiner_height=64,
+                       refiner_width=96, refiner_steps=2)
+    admitted = admit_body(body, spec)
+    assert admitted.refiner == RefinerStage(64, 96, 2)
+    assert (admitted.request.height, admitted.request.width) == (512, 896)  # 540p preview
+    assert admit_body(VideoCreate(prompt="a fox", resolution="1080p"), spec).refiner == \
+        RefinerStage()  # 1088 x 1920, the released steps
+    job = spec.job(admitted.request, None, {}, refiner=admitted.refiner)
+    assert job.refiner == admitted.refiner
+    bare = _serve_spec(tiny_cache, tmp_path, "--model", spec.checkpoint)
+    assert not bare.has_refiner
+    for given, field in (({"resolution": "1080p"}, "resolution"),
+                         ({"refiner_steps": 2}, "refiner_steps")):
+        with pytest.raises(RequestError) as exc:
+            admit_body(VideoCreate(prompt="a fox", **given), bare)
+        assert exc.value.param == field and exc.value.status == 422
+        assert field in exc.value.message and "refiner" in exc.value.message
+
+
+def test_request_schema_is_admissions_fields():
+    """The body's fields are admission's (`INPUT_FIELDS`, as generate's flags) plus model,
+    less dtype (the server's ``--dtype``)."""
+    from headmoe.admission import INPUT_FIELDS
+    from headmoe.serve.validate import VideoCreate
+
+    assert set(VideoCreate.model_fields) == {*INPUT_FIELDS, "model"} - {"dtype"}

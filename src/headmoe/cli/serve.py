@@ -16,7 +16,6 @@ SIGTERM (or Ctrl-C) drains: no new jobs, the current one finishes or is cancelle
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import socket
@@ -24,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from headmoe.admission import INPUT_FIELDS
+from headmoe.admission import INPUT_FIELDS, admit
 from headmoe.errors import Refusal
 from headmoe.pipeline.request import DTYPES
 
@@ -87,6 +86,9 @@ GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
                  **{name: None for name in INPUT_FIELDS}, "prompt": "",
                  "height": 16, "width": 16, "num_frames": 1, "image": None,
                  "image_encoder": None}
+#: with the release's refiner/ (loaded at start too), the smallest request that runs it
+SMALLEST_REFINED = {"prompt": "", "height": 16, "width": 16, "num_frames": 1,
+                    "refiner_height": 16, "refiner_width": 16, "refiner_steps": 1}
 
 
 def _check_output_dir(value: str) -> str:
@@ -131,6 +133,8 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
                                 "output": "serve.mp4", "no_progress": True})
     try:
         job, world, dep = build(gen)
+        if job.release is not None and job.release.refiner is not None:
+            admit(SMALLEST_REFINED, dep)  # it loads at start: both stages' weights must fit
     except Refusal as exc:  # the smallest request: the model alone does not fit
         raise ValueError("the weights alone do not fit: "
                          + flagify(exc.message, assignments_only=True)) from None
@@ -138,7 +142,7 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
                      job.request.dtype, output_dir, args.host, args.port, args.api_key,
                      args.max_queue, args.timeout, args.drain_timeout,
                      dep.budget.limit, log_level=args.log_level, release=job.release,
-                     deployment=dataclasses.replace(dep, refiner_config=None),  # no 1080p yet
+                     deployment=dep,
                      offload_layers=job.offload_layers,
                      resident_layers=job.resident_layers)
     return spec, world

@@ -144,6 +144,11 @@ class RefinerStage:
         return {"refiner_height": self.height, "refiner_width": self.width,
                 "refiner_steps": self.steps}
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, int]) -> RefinerStage:
+        """The stage of a `to_dict` result (re-checked)."""
+        return cls(fields["refiner_height"], fields["refiner_width"], fields["refiner_steps"])
+
 
 class Refiner:
     """The refiner model of a job on one rank and where its weights live: on the device,

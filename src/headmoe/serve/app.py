@@ -143,7 +143,7 @@ async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, An
 async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
     try:
         admitted, image = await _request_and_image(request, spec)
-        job = store.submit(admitted.request, admitted.describe(), image)
+        job = store.submit(admitted.request, admitted.describe(), image, admitted.refiner)
     except RequestError as exc:
         store.reject(str(exc.status))
         raise _Refused(error(exc.status, exc.message, exc.param)) from None

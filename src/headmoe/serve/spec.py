@@ -69,10 +69,15 @@ class ServeSpec:
     def world_size(self) -> int:
         return self.parallel.world_size
 
+    @property
+    def has_refiner(self) -> bool:
+        """The release has ``refiner/``: the ranks load it at start and run 1080p requests."""
+        return self.release is not None and self.release.refiner is not None
+
     def job(self, request: GenerateRequest, output: str | None, extra: dict[str, Any],
-            image: Any = None) -> GenerateJob:
-        """The `GenerateJob` of ``request`` (and its I2V ``image``) under this deployment
-        (no progress bar)."""
+            image: Any = None, refiner: Any = None) -> GenerateJob:
+        """The `GenerateJob` of ``request`` (and its I2V ``image``, its 1080p ``refiner``
+        `RefinerStage`) under this deployment (no progress bar)."""
         return GenerateJob(
             request,
             self.parallel,
@@ -84,6 +89,7 @@ class ServeSpec:
             extra=extra,
             release=self.release,
             image=image,
+            refiner=refiner,
             offload_layers=self.offload_layers,
             resident_layers=self.resident_layers,
         )

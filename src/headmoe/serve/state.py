@@ -50,7 +50,7 @@ class Draining(RuntimeError):
 @dataclass
 class Job:
     """One request's life: ``status`` in `STATUSES`; ``steps_done`` of
-    ``request.num_inference_steps``; ``result`` the sidecar once completed."""
+    `total_steps`; ``result`` the sidecar once completed."""
 
     id: str
     request: GenerateRequest
@@ -67,6 +67,13 @@ class Job:
     """`Admitted.describe()`: where each field came from (recorded in the sidecar)."""
     image: Any = None
     """Image-to-video: the request's `headmoe.pipeline.image.ReferenceImage` (with pixels)."""
+    refiner: Any = None
+    """1080p: the admitted `headmoe.pipeline.refine.RefinerStage` (None: the preview only)."""
+
+    @property
+    def total_steps(self) -> int:
+        """Sampler steps of both stages (the preview's, then the refiner's)."""
+        return self.request.num_inference_steps + (self.refiner.steps if self.refiner else 0)
 
 
 class JobStore:
@@ -92,16 +99,17 @@ class JobStore:
 
     # ------------------------------------------------------------------ HTTP side
     def submit(self, request: GenerateRequest, admission: dict[str, Any] | None = None,
-               image: Any = None) -> Job:
-        """Queue ``request`` (with its I2V ``image``) as a new job (``admission``: what its
-        sidecar records of its admission); raises `Draining` or `QueueFull`."""
+               image: Any = None, refiner: Any = None) -> Job:
+        """Queue ``request`` (with its I2V ``image`` and 1080p ``refiner`` stage) as a new
+        job (``admission``: what its sidecar records of its admission); raises `Draining` or
+        `QueueFull`."""
         with self._lock:
             if self.draining:
                 raise Draining("the server is shutting down and takes no new jobs")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
             job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()),
-                      admission=admission or {}, image=image)
+                      admission=admission or {}, image=image, refiner=refiner)
             self._jobs[job.id] = job
             self._queue.append(job.id)
             self._finished["queued"] += 1
@@ -194,16 +202,17 @@ class JobStore:
     def view(self, job: Job) -> dict[str, Any]:
         """The JSON object of ``job`` (``GET /v1/videos/{id}``)."""
         with self._lock:
-            req, total = job.request, job.request.num_inference_steps
+            req = job.request
             out: dict[str, Any] = {
                 "id": job.id,
                 "object": "video",
                 "status": job.status,
                 "created_at": job.created_at,
                 "completed_at": job.completed_at,
-                "progress": round(100 * job.steps_done / total),
+                "progress": round(100 * job.steps_done / job.total_steps),
                 "steps_completed": job.steps_done,
-                "num_inference_steps": total,
+                "num_inference_steps": req.num_inference_steps,
+                "refiner": None if job.refiner is None else job.refiner.to_dict(),
                 "cancel_requested": job.cancel_requested,
                 "error": None if job.error is None else {"message": job.error},
                 "request": req.to_dict(),
@@ -213,7 +222,7 @@ class JobStore:
             }
             if job.result is not None:
                 keep = ("video_sha256", "audio_sha256", "seed", "step_times_s", "total_s",
-                        "media", "layout", "server")
+                        "media", "layout", "server", "refiner")
                 out.update({k: job.result.get(k) for k in keep})
             return out
 

@@ -11,7 +11,9 @@ Field names follow the OpenAI / vLLM-Omni / SGLang video APIs: ``prompt``,
 ``negative_prompt``, ``seed``, ``num_inference_steps``, ``guidance_scale``,
 ``audio_guidance_scale``, ``height``, ``width``, ``size`` ("WxH"), ``resolution`` (a
 preset), ``num_frames`` or ``seconds`` (a number or a numeric string), ``fps``; headmoe
-adds ``shift`` and ``sampler``; ``model`` may name the served model. Fields left out take
+adds ``shift``, ``sampler``, ``noise_device`` and the refiner's ``refiner_height``,
+``refiner_width``, ``refiner_steps`` (as generate's flags; ``resolution: "1080p"`` sets
+them); ``model`` may name the served model. Fields left out take
 the served model's recipe (`headmoe.pipeline.recipe`).
 """
 
@@ -50,6 +52,9 @@ class VideoCreate(BaseModel):
     shift: float | None = None
     sampler: str | None = None
     noise_device: str | None = None
+    refiner_height: int | None = None
+    refiner_width: int | None = None
+    refiner_steps: int | None = None
     model: str | None = None
 
 

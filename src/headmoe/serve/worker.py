@@ -1,12 +1,15 @@
 """The per-rank loop of ``headmoe serve``: the model built once, requests one after another.
 
+The model is the preview transformer and the release's components, with its refiner
+(``refiner/``) when the release has one, so 1080p requests run on the same resident ranks.
+
 Every rank runs `serve_rank`. Rank 0 also owns the `JobStore` and runs uvicorn in a thread
 (`Leader`). The ranks stay in lockstep through rank 0's commands, one broadcast per tick
 (`headmoe.serve.wire`, JSON only):
 
 - ``{"op": "idle"}``: nothing queued (sent every ``tick_s``, so an idle rank's wait is
   always far below the collective timeout and a dead peer is noticed within a tick);
-- ``{"op": "run", "id", "request"}``: every rank runs the request through `run_request`
+- ``{"op": "run", "id", "request", "admission", "image", "refiner"}``: every rank runs the request through `run_request`
   with the components built at start; after each step rank 0 broadcasts one flag (cancel
   requested, or the drain bound passed) and every rank stops at that same step;
 - ``{"op": "stop"}``: drain finished; every rank leaves the loop and exits 0.
@@ -37,6 +40,7 @@ from typing import Any
 from headmoe.distributed.context import ParallelContext, rank_device
 from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.job import Components, build_components, run_request
+from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
@@ -110,7 +114,8 @@ class Leader:
         self.current, self._last_step = job, time.perf_counter()
         return {"op": "run", "id": job.id, "request": job.request.to_dict(),
                 "admission": job.admission,
-                "image": None if job.image is None else job.image.describe()}
+                "image": None if job.image is None else job.image.describe(),
+                "refiner": None if job.refiner is None else job.refiner.to_dict()}
 
     def _start_drain(self) -> None:
         self.store.start_drain()
@@ -178,7 +183,9 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     image = None  # rank 0 (the image encoder's) holds the pixels; the others its description
     if cmd.get("image") is not None:
         image = leader.current.image if leader else ReferenceImage.from_dict(cmd["image"])
-    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra, image)
+    refiner = None if cmd.get("refiner") is None else RefinerStage.from_dict(cmd["refiner"])
+    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra, image,
+                   refiner)
     device = ctx.device
 
     def on_step(done: int, total: int) -> None:
@@ -234,7 +241,9 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         ctx = ParallelContext.initialize(spec.parallel, rank=rank, world_size=world_size,
                                          init_method=init_method,
                                          timeout=timedelta(seconds=spec.timeout_s))
-    template = spec.job(GenerateRequest(prompt="", dtype=spec.dtype), None, {})
+    # with the release's refiner/ the template carries a stage, so the refiner loads now
+    template = spec.job(GenerateRequest(prompt="", dtype=spec.dtype), None, {},
+                        refiner=RefinerStage() if spec.has_refiner else None)
     try:
         if leader is not None:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
