@@ -61,7 +61,7 @@ def test_a_refused_pickle_global_is_named_with_the_file(tmp_path):
     import pytest
     import torch
 
-    from headmoe.pipeline.weights import read_tensors
+    from headmoe.release.weights import read_tensors
 
     path = tmp_path / "checkpoint.ckpt"
     torch.save({"w": torch.zeros(1), "x": fractions.Fraction(1, 3)}, path)

@@ -19,7 +19,7 @@ What it owns, in the order it checks:
 2. contradictions between fields (``resolution`` / ``size`` / ``height`` + ``width``;
    ``seconds`` / ``num_frames``): refused naming both;
 3. the defaults of the model's recipe (`headmoe.pipeline.recipe.recipe_for`);
-4. frame geometry from the decoders' rule (`headmoe.pipeline.video_latents.latent_shape`:
+4. frame geometry from the decoders' rule (`headmoe.release.video_latents.latent_shape`:
    ``num_frames = 4k+1``, sides multiples of 16) and at least one audio sample;
 5. the seed range of the job (data-parallel group k uses seed + k, all below 2**63);
 6. the text tokens of both prompts, counted by the deployment's tokenizer (the release's,
@@ -39,7 +39,6 @@ from typing import Any
 
 from headmoe.config import GIB, ParallelConfig, is_number
 from headmoe.errors import Refusal
-from headmoe.pipeline import audio_vae, video_latents
 from headmoe.pipeline.recipe import (
     REFINER_RESOLUTIONS,
     RELEASED_SECONDS,
@@ -58,6 +57,7 @@ from headmoe.pipeline.request import (
 from headmoe.pipeline.seeding import SEED_LIMIT
 from headmoe.planner.memory import MemoryEstimate, estimate_memory, memory_limit
 from headmoe.planner.request import RequestShape
+from headmoe.release import audio_vae, video_latents
 
 #: the refiner stage's fields (``resolution="1080p"`` sets its size)
 REFINER_FIELDS: tuple[str, ...] = ("refiner_height", "refiner_width", "refiner_steps")
@@ -323,7 +323,7 @@ def check_seed(seed: int, dp_size: int) -> int:
 def byte_tokens(text: str) -> int:
     """Tokens the stand-in byte encoder keeps of ``text`` (BOS + UTF-8 bytes, at most its
     limit)."""
-    from headmoe.pipeline.encoders import ByteTextEncoder
+    from headmoe.release.standins import ByteTextEncoder
 
     return len(ByteTextEncoder(1).tokenize(text))
 

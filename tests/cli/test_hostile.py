@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import headmoe.pipeline.job as job_mod
 from headmoe.cli.main import main
-from headmoe.pipeline.magi2 import resolve_model
+from headmoe.release.components import resolve_model
 from headmoe.testing import spawned_rank_pids
 
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))

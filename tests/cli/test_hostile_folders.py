@@ -23,7 +23,7 @@ import headmoe.cli.generate as generate_cli
 import headmoe.models.magi2.loading as loading
 from headmoe.cli.main import main
 from headmoe.files import MAX_LISTED
-from headmoe.pipeline import release
+from headmoe.release import folder as release
 
 LAYOUT = ["--nproc", "2", "--ulysses-degree", "2"]
 REQUEST = ["--height", "32", "--width", "48", "--num-frames", "5", "--num-inference-steps", "2",

@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 
 import headmoe.cli.generate as generate_cli
 import headmoe.pipeline.job as job_mod
-import headmoe.pipeline.release as release_mod
+import headmoe.release.folder as release_mod
 from headmoe.cli.main import main
 from headmoe.errors import RuntimeFault
 from headmoe.files import atomic_write
-from headmoe.pipeline import release
-from headmoe.pipeline.magi2 import resolve_model
+from headmoe.release import folder as release
+from headmoe.release.components import resolve_model
 
 SMALL = ["--height", "32", "--width", "32", "--num-frames", "1", "--num-inference-steps", "1",
          "--no-progress", "--prompt", "a fox"]

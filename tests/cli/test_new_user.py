@@ -111,7 +111,7 @@ def test_plan_is_readable_and_prints_the_generate_flags(capsys, tmp_path):
 
     from headmoe.cli.generate import parallel_from_args
     from headmoe.cli.main import build_parser
-    from headmoe.pipeline import release
+    from headmoe.release import folder as release
 
     folder = release.tiny_release(tmp_path / "cache")
     assert main(["plan", "--model", str(folder), "--world-size", "4", "--height", "64",

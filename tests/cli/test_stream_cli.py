@@ -9,7 +9,7 @@ import re
 import pytest
 
 from headmoe.cli.main import main
-from headmoe.pipeline.magi2 import resolve_model
+from headmoe.release.components import resolve_model
 
 
 @pytest.fixture(scope="module")

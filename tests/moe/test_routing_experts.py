@@ -6,7 +6,7 @@ import torch
 
 from headmoe.layers.matmul import MIN_ROWS
 from headmoe.moe import MoEConfig, experts_grouped, experts_reference, route
-from headmoe.moe.kernels import grouped_mm, grouped_mm_loop
+from headmoe.moe.gemm import grouped_mm, grouped_mm_loop
 from tests.moe.common import full_state, oracle
 
 CFG = MoEConfig(hidden_size=64, num_heads=4, num_experts=8, top_k=2,

@@ -5,8 +5,8 @@ branch's text features, so cond and uncond differ and every rank computes the sa
 
 import torch
 
-from headmoe.pipeline.encoders import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
 from headmoe.pipeline.job import Components
+from headmoe.release.standins import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
 
 VIDEO_C, AUDIO_C, TEXT_C = 4, 3, 8
 

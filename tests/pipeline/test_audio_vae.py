@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from headmoe.pipeline import audio_vae as av
+from headmoe.release import audio_vae as av
 from tests.pipeline.goldens import golden_dir, released_tensors
 
 NAME = "stable_audio_vae"

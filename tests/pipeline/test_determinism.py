@@ -7,8 +7,8 @@ import torch
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
-from headmoe.pipeline.magi2 import resolve_model
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.release.components import resolve_model
 from headmoe.testing import run_ranks
 
 # World 4 for every layout, so one spawn runs them all; "1 rank" is DP4 (each DP group of

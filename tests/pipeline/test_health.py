@@ -12,11 +12,11 @@ from torch import nn
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.errors import NonFiniteError
-from headmoe.pipeline.encoders import ByteTextEncoder
 from headmoe.pipeline.health import check_step, text_report, watch_layers
 from headmoe.pipeline.job import Components, GenerateJob, run_job
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.seeding import check_seed, seeded_generator
+from headmoe.release.standins import ByteTextEncoder
 from tests.pipeline.fake import fake_components
 
 REQ = GenerateRequest(prompt="a cat", negative_prompt="", num_inference_steps=3)

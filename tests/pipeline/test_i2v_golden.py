@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.magi2 import BranchInput, Magi2Transformer, load_checkpoint, pack_branches
 from headmoe.pipeline import i2v as figure
-from headmoe.pipeline import wan_vae as wv
-from headmoe.pipeline.encoders import Components
+from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.job import GenerateJob, denoise, draw_noise
-from headmoe.pipeline.magi2 import Magi2Denoiser
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.release import wan_vae as wv
+from headmoe.release.components import Magi2Denoiser
 from tests.models.golden import golden_config, golden_weights
 from tests.pipeline.goldens import golden_file
 from tests.pipeline.released_loop import Recorder, check_loop, video
@@ -84,7 +84,7 @@ def test_figure_indices_through_the_release_tokenizer(case):
     from transformers import AutoTokenizer
 
     from headmoe.pipeline.prompts import add_released_split
-    from headmoe.pipeline.text_encoder import Qwen35TextEncoder
+    from headmoe.release.text_encoder import Qwen35TextEncoder
 
     meta = _json("tokenization.json")["pool_figure_tokens"][case]
     tok = AutoTokenizer.from_pretrained(golden_file(NAME, "tokenizer/tokenizer.json").parent,

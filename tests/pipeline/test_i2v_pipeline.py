@@ -17,10 +17,12 @@ import headmoe.cli.generate as generate_cli
 from headmoe.cli.main import main
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline import i2v, placement, release
+from headmoe.pipeline import i2v
 from headmoe.pipeline.image import prepare_image
 from headmoe.pipeline.job import GenerateJob, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.release import folder as release
+from headmoe.release import placement
 from tests.pipeline.goldens import golden_file
 from tests.pipeline.test_release import _generate as release_generate
 
@@ -108,7 +110,7 @@ def _broadcast_body(rank, world_size, folder, image):
 
 @pytest.mark.multirank
 def test_latent_reaches_every_rank(folder):
-    from headmoe.pipeline import wan_vae
+    from headmoe.release import wan_vae
     from headmoe.testing import run_ranks
 
     image = _image()
@@ -202,8 +204,8 @@ def test_memory_counts_the_image(folder):
     from headmoe.config import ParallelConfig as PC
     from headmoe.distributed.topology import plan_topology
     from headmoe.models.magi2.packing import image_rows
-    from headmoe.pipeline import wan_vae
     from headmoe.planner.components import component_bytes, component_bytes_per_rank
+    from headmoe.release import wan_vae
 
     parts = component_bytes("tiny", image=True)
     vae = wan_vae.load_wan_encoder(folder / "vae")

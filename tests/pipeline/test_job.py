@@ -9,11 +9,11 @@ import torch
 import headmoe.pipeline.job as job_module
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
-from headmoe.pipeline.encoders import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
 from headmoe.pipeline.job import GenerateJob, output_path, run_job, run_jobs
 from headmoe.pipeline.media import quantize_audio, read_mp4, tensor_sha256
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import UniPCSampler, cfg_combine, released_schedule
+from headmoe.release.standins import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
 from headmoe.testing import run_ranks
 from tests.pipeline.fake import AUDIO_C, TEXT_C, VIDEO_C, fake_components, fake_velocity
 

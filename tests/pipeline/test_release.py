@@ -22,9 +22,10 @@ import headmoe.cli.generate as generate_cli
 from headmoe.cli.main import build_parser, main
 from headmoe.distributed import ParallelContext
 from headmoe.models.magi2 import Magi2Config, get_config
-from headmoe.pipeline import placement, release
 from headmoe.pipeline.media import read_mp4
-from headmoe.pipeline.text_encoder import Qwen35TextEncoder
+from headmoe.release import folder as release
+from headmoe.release import placement
+from headmoe.release.text_encoder import Qwen35TextEncoder
 
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 REQUEST = ["--height", "32", "--width", "48", "--num-frames", "5", "--num-inference-steps", "2",
@@ -350,7 +351,7 @@ def _node_broadcast(rank, world_size, folder):
 
 @pytest.mark.multirank
 def test_text_features_reach_every_rank_of_each_node(folder):
-    from headmoe.pipeline.text_encoder import model_dtype
+    from headmoe.release.text_encoder import model_dtype
     from headmoe.testing import run_ranks
 
     per_rank = run_ranks(_node_broadcast, 4, args=(str(folder),), timeout=240)
@@ -375,7 +376,7 @@ def test_text_features_reach_every_rank_of_each_node(folder):
 def test_unused_component_entries_are_recorded_not_refused(copy, tmp_path, capsys):
     """Extra keys in the TurboV3 and stable-audio JSON and training-only state in
     checkpoint.ckpt: the reference ignores them; headmoe warns and records them."""
-    from headmoe.pipeline import audio_vae, turbo_vae
+    from headmoe.release import audio_vae, turbo_vae
 
     turbo = copy / "turbo_vae"
     data = json.loads((turbo / turbo_vae.CONFIG_FILE).read_text())

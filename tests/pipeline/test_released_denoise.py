@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 from headmoe.distributed import ParallelContext
 from headmoe.models.magi2 import Magi2Transformer, load_checkpoint, pack_branches
-from headmoe.pipeline.encoders import Components
+from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.job import GenerateJob, Noise, denoise, draw_noise
-from headmoe.pipeline.magi2 import Magi2Denoiser
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.release.components import Magi2Denoiser
 from tests.goldens import golden_file
 from tests.models.golden import golden_config, golden_weights
 from tests.pipeline.released_loop import Recorder, check_loop, video

@@ -1,7 +1,8 @@
 """Streamed and resident runs of the embedded release write the same bytes (issue 20): one
 rank, SP4+EP2 with both MoE exchanges, and SP2 x CFG2, in one 4-rank spawn; every rank
-moves the planner's bytes per step (EP ranks: their own expert rows); and the refiner's
-layers streamed on SP2 x CFG2 give the resident refined clip."""
+moves the planner's bytes per step (EP ranks: their own expert rows) and every counter is
+`compare`'s prediction; and the refiner's layers streamed on SP2 x CFG2 give the resident
+refined clip."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import json
 import pytest
 import torch
 
+from headmoe.cli.compare import predicted_summary
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.distributed.topology import plan_topology
-from headmoe.pipeline import release
 from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.planner.memory import StreamSettings, stream_estimate
+from headmoe.release import folder as release
 
 STEPS = 2
 EP2 = {"ulysses_degree": 4, "enable_expert_parallel": True, "expert_parallel_size": 2}
@@ -35,7 +37,8 @@ SP2CFG2 = LAYOUTS[-1][1]
 def _job(found, parallel, offload, resident=0, output=None):
     req = GenerateRequest(prompt="a red fox running through snow at dusk", height=32, width=48,
                           num_frames=5, num_inference_steps=STEPS, seed=5, dtype="bf16")
-    return GenerateJob(req, parallel, found.model_config, found.transformer, output,
+    model = dataclasses.replace(found.model_config, name="tiny")  # as generate names it
+    return GenerateJob(req, parallel, model, found.transformer, output,
                        timeout_s=120, progress=False, release=found, offload_layers=offload,
                        resident_layers=resident)
 
@@ -86,9 +89,12 @@ def _check_bytes_moved(model, j, folder):
     topo = plan_topology(parallel.world_size, parallel)
     ranks = set()
     for side in folder.glob(f"{j}*.json"):
-        for rank, counters in json.loads(side.read_text())["counters"].items():
+        side_data = json.loads(side.read_text())
+        for rank, counters in side_data["counters"].items():
             est = stream_estimate(model, ep, topo.coords(int(rank)).ep, torch.bfloat16,
                                   StreamSettings(resident))
             assert counters["streamed_bytes"] == STEPS * est.bytes_per_step > 0, (name, rank)
+            # and `compare`'s prediction of every counter (rows, exchanges, streamed bytes)
+            assert predicted_summary(side_data, parallel, int(rank)) == counters, (name, rank)
             ranks.add(rank)
     assert ranks == {"0", "1", "2", "3"}, name

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from headmoe.pipeline import text_encoder as te
 from headmoe.pipeline.prompts import RELEASED_SPLIT_PATTERN, normalize_prompt
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
-from headmoe.pipeline.tiny_text_encoder import TINY_CORPUS, build_tiny_text_encoder
+from headmoe.release import text_encoder as te
+from headmoe.release.tiny_text_encoder import TINY_CORPUS, build_tiny_text_encoder
 
 PROMPTS = ["A red fox runs across a snowy field", "Waves", "Zwei Kinder lachen; 山の上に雪"]
 

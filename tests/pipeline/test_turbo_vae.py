@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from headmoe.pipeline import turbo_vae as tv
-from headmoe.pipeline import video_latents as vl
+from headmoe.release import turbo_vae as tv
+from headmoe.release import video_latents as vl
 from tests.pipeline.goldens import golden_dir, released_tensors
 
 NAME = "turbo_vae"

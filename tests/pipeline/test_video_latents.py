@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from headmoe.pipeline import video_latents as vl
+from headmoe.release import video_latents as vl
 from tests.pipeline.goldens import golden_dir
 
 

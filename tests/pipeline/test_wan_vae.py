@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from headmoe.pipeline import video_latents as vl
-from headmoe.pipeline import wan_vae as wv
+from headmoe.release import video_latents as vl
+from headmoe.release import wan_vae as wv
 from tests.pipeline.goldens import golden_dir, released_tensors
 
 NAME = "wan22_vae"

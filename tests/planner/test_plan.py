@@ -150,9 +150,10 @@ def test_plan_cli_table_and_errors(capsys):
 
 
 def test_component_bytes_match_the_loaded_tiny_components(tmp_path):
-    from headmoe.pipeline import placement, release
-    from headmoe.pipeline.text_encoder import Qwen35TextEncoder
     from headmoe.planner.components import component_bytes
+    from headmoe.release import folder as release
+    from headmoe.release import placement
+    from headmoe.release.text_encoder import Qwen35TextEncoder
 
     folder = release.tiny_release(tmp_path)
     parts = component_bytes("tiny")

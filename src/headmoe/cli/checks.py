@@ -179,7 +179,7 @@ def _tensors(obj: Any, name: str = "") -> Any:
 def component_files(release: Any) -> list[str]:
     """The weight files of the release's text encoder, chosen video decoder and audio
     decoder (each checked to lie in its folder)."""
-    from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, wan_vae
+    from headmoe.release import audio_vae, text_encoder, turbo_vae, wan_vae
 
     video = turbo_vae.CHECKPOINT_FILE if release.video_decoder == "turbo" else \
         wan_vae.CHECKPOINT_FILE
@@ -190,9 +190,9 @@ def component_files(release: Any) -> list[str]:
 
 def scan_components(release: Any) -> None:
     """``--check-weights`` on a release folder: every tensor of the text encoder and the
-    video and audio decoders (read safely, `headmoe.pipeline.weights.read_tensors`);
+    video and audio decoders (read safely, `headmoe.release.weights.read_tensors`);
     NaN/Inf refused."""
-    from headmoe.pipeline.weights import read_tensors
+    from headmoe.release.weights import read_tensors
 
     for file in component_files(release):
         bad = [f"{name} ({kind})" for name, t in _tensors(read_tensors(file))

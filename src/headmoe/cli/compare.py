@@ -35,12 +35,12 @@ from headmoe.config import MIB, ParallelConfig, is_int
 from headmoe.distributed.counters import Counters
 from headmoe.errors import RuntimeFault, UserError
 from headmoe.models.magi2.config import PRESETS, get_config
-from headmoe.pipeline.encoders import ByteTextEncoder
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.layouts import layout_name, parse_layout
 from headmoe.planner.memory import StreamSettings, streamed_counts
 from headmoe.planner.predict import forward_counters, layout_topology
 from headmoe.planner.request import RequestShape
+from headmoe.release.standins import ByteTextEncoder
 
 #: generate options compare sets itself (by argparse dest)
 OWN_DESTS = frozenset(
@@ -313,8 +313,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def _model_config(args: argparse.Namespace) -> Any:
     """The transformer configuration ``--model`` / ``--model-config`` give, reading no
     weight: the tiny preset, a release folder's (`release_config`) or a checkpoint's."""
-    from headmoe.pipeline.magi2 import resolve_model
-    from headmoe.pipeline.release import is_release_folder, release_config
+    from headmoe.release.components import resolve_model
+    from headmoe.release.folder import is_release_folder, release_config
 
     if args.model != "tiny" and is_release_folder(args.model):
         return release_config(Path(args.model).expanduser(), args.model_config)

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     env = torchrun_env()
     if env is None or env.rank == 0:
         if args.model == "tiny":
-            from headmoe.pipeline.release import RANDOM_WEIGHTS_NOTE
+            from headmoe.release.folder import RANDOM_WEIGHTS_NOTE
 
             print(f"headmoe serve: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
         print(f"headmoe serve: checked the flags and the model folder; starting {world} "

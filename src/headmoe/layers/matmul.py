@@ -8,7 +8,7 @@ from the first M rows of a larger product for M in {1, 2, 3} with one thread and
 at any row offset); bf16 matched everywhere. Small row counts therefore get padded with
 zero rows to `MIN_ROWS`, which takes the same kernel path as large batches. MKL also gave
 a row different fp32 bits depending on its 64-byte alignment when rows are not a multiple
-of 64 bytes long (measured with K = 10, see `headmoe.moe.kernels`): every K that headmoe's
+of 64 bytes long (measured with K = 10, see `headmoe.moe.gemm`): every K that headmoe's
 models feed here is a multiple of 16 fp32 values, so row slices stay aligned. Every
 layout-dependent matmul in headmoe goes through these helpers; tests/layers/test_matmul.py
 checks the property on the machine that runs the tests.

@@ -20,7 +20,7 @@ import torch
 
 from headmoe.layers.activations import swiglu7_
 from headmoe.layers.matmul import MIN_ROWS, bi_matmul
-from headmoe.moe.kernels import aligned, grouped_mm, pad_features
+from headmoe.moe.gemm import aligned, grouped_mm, pad_features
 from headmoe.moe.routing import route_groups
 
 #: the fast path runs its GEMMs and activation over chunks of about this many activations

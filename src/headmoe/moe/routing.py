@@ -10,7 +10,7 @@ import torch
 
 from headmoe.layers.activations import sigmoid_
 from headmoe.layers.matmul import bi_bmm
-from headmoe.moe.kernels import pad_features
+from headmoe.moe.gemm import pad_features
 
 #: eps of the L1 normalisation of the route weights
 ROUTE_EPS = 1e-12

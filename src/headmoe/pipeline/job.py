@@ -42,7 +42,6 @@ from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput
 from headmoe.models.streaming import split_layers
-from headmoe.pipeline.encoders import Components, TextEncoder
 from headmoe.pipeline.health import (
     DECODER_HINT,
     check_media,
@@ -51,7 +50,7 @@ from headmoe.pipeline.health import (
     warn_truncated,
 )
 from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
-from headmoe.pipeline.magi2 import magi2_components
+from headmoe.pipeline.interfaces import Components, TextEncoder
 from headmoe.pipeline.media import (
     quantize_audio,
     sidecar_path,
@@ -59,12 +58,13 @@ from headmoe.pipeline.media import (
     write_mp4,
     write_sidecar,
 )
-from headmoe.pipeline.placement import is_output_coords
 from headmoe.pipeline.refine import REFINER_FPS_FACTOR, refine_stage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
-from headmoe.pipeline.video_latents import frame_count
+from headmoe.release.components import magi2_components
+from headmoe.release.placement import is_output_coords
+from headmoe.release.video_latents import frame_count
 
 #: the shortest collective timeout (s): below it the ranks cannot even join the group
 MIN_TIMEOUT_S = 1.0
@@ -77,8 +77,8 @@ class GenerateJob:
     ``model_config`` is a `Magi2Config`; ``checkpoint`` its weights (see `resolve_model`).
     ``output`` None computes and returns the hashes without writing files. ``components``
     replaces `magi2_components` (a module-level function, for tests). ``release`` (a
-    `headmoe.pipeline.release.Release`) selects the release's text encoder and decoders;
-    None keeps the stand-ins of `headmoe.pipeline.encoders`."""
+    `headmoe.release.folder.Release`) selects the release's text encoder and decoders;
+    None keeps the stand-ins of `headmoe.release.standins`."""
 
     request: GenerateRequest
     parallel: ParallelConfig

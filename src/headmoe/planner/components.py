@@ -4,7 +4,7 @@ Sizes are parameter + buffer bytes of each component as headmoe loads it, counte
 meta device (no memory): the text encoder's first ``L - 2`` decoder layers and embedding in
 its model dtype (`text_encoder.model_dtype`); the video decoder in bf16 (TurboV3, or the
 whole Wan2.2 ``AutoencoderKLWan``, encoder included, as `load_wan_vae` builds it); the
-Oobleck decoder in fp32 with its weight norm folded (`headmoe.pipeline.placement`).
+Oobleck decoder in fp32 with its weight norm folded (`headmoe.release.placement`).
 Sources: a release folder (its own configs), or a preset: "tiny" (the embedded tiny
 folder's `TINY_SPEC`) or "magi2-preview" (released decoder configs; for the text encoder
 `PREVIEW_TEXT_CONFIG`, our reading of the published Qwen3.5-27B sizes, which a folder's
@@ -26,7 +26,7 @@ from functools import cache
 import torch
 
 from headmoe.distributed.topology import Topology
-from headmoe.pipeline.placement import IMAGE_RANK, is_output_coords
+from headmoe.release.placement import IMAGE_RANK, is_output_coords
 
 #: Qwen3.5-27B text model sizes used when no release folder is given (MAGI2.md section 7:
 #: 5120-d features); the folder's config.json is the authority when there is one
@@ -71,7 +71,8 @@ def _text_bytes(cfg, dtype: torch.dtype) -> int:
 def _text_config(source: str):
     from transformers import Qwen3_5TextConfig
 
-    from headmoe.pipeline import release, text_encoder, tiny_text_encoder
+    from headmoe.release import folder as release
+    from headmoe.release import text_encoder, tiny_text_encoder
 
     if source == "tiny":
         t = release.TINY_SPEC["text_encoder"]
@@ -86,7 +87,8 @@ def _text_config(source: str):
 
 
 def _video_bytes(source: str, video_decoder: str) -> int:
-    from headmoe.pipeline import release, turbo_vae, wan_vae
+    from headmoe.release import folder as release
+    from headmoe.release import turbo_vae, wan_vae
 
     if video_decoder == "turbo":
         if source in ("tiny", "magi2-preview"):
@@ -102,7 +104,8 @@ def _video_bytes(source: str, video_decoder: str) -> int:
 
 def _wan_config(source: str) -> dict | None:
     """The ``AutoencoderKLWan`` config of ``source``'s ``vae/`` (None: the released one)."""
-    from headmoe.pipeline import release, wan_vae
+    from headmoe.release import folder as release
+    from headmoe.release import wan_vae
 
     if source == "tiny":
         v = release.TINY_SPEC["vae"]
@@ -116,7 +119,7 @@ def _wan_config(source: str) -> dict | None:
 
 def _image_encoder_bytes(source: str) -> int:
     """The encoder and ``quant_conv`` of the Wan2.2 VAE in fp32, as `load_wan_encoder`."""
-    from headmoe.pipeline import wan_vae
+    from headmoe.release import wan_vae
 
     vae = wan_vae.build_wan_vae(_wan_config(source))
     return sum(_nbytes(getattr(vae, p.rstrip(".")), torch.float32)
@@ -124,7 +127,8 @@ def _image_encoder_bytes(source: str) -> int:
 
 
 def _audio_bytes(source: str) -> int:
-    from headmoe.pipeline import audio_vae, release
+    from headmoe.release import audio_vae
+    from headmoe.release import folder as release
 
     if source == "tiny":
         cfg = audio_vae.OobleckConfig(channels=release.TINY_SPEC["audio"]["channels"])

@@ -41,7 +41,7 @@ class ServeSpec:
     tick_s: float = 0.5
     log_level: str = "warning"
     release: Any = None
-    """The checked `headmoe.pipeline.release.Release` (text encoder and decoders), or None
+    """The checked `headmoe.release.folder.Release` (text encoder and decoders), or None
     for a bare transformer checkpoint with the stand-in encoders (as `generate`)."""
     deployment: Any = None
     """The `headmoe.admission.Deployment` every request is admitted on (rank 0)."""

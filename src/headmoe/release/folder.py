@@ -96,7 +96,7 @@ def unused_entries(release: Release) -> list[str]:
     keys of the TurboV3 and stable-audio JSON, training-only state of ``checkpoint.ckpt``),
     each ``"<folder>/<file>: <entries>"``. The reference ignores them: headmoe warns and
     records them (`Release.unused`, the sidecar) instead of refusing the folder."""
-    from headmoe.pipeline import audio_vae, turbo_vae
+    from headmoe.release import audio_vae, turbo_vae
 
     out = []
     if release.video_decoder == "turbo":
@@ -131,7 +131,7 @@ def required_files(video_decoder: str) -> list[str]:
     weights and the text encoder's weights (`find_release` looks those up)."""
     if video_decoder not in VIDEO_DECODERS:
         raise ValueError(f"video_decoder must be one of {VIDEO_DECODERS}, got {video_decoder!r}")
-    from headmoe.pipeline import audio_vae, turbo_vae, wan_vae
+    from headmoe.release import audio_vae, turbo_vae, wan_vae
 
     video = (
         [f"{TURBO_DIR}/{turbo_vae.CONFIG_FILE}", f"{TURBO_DIR}/{turbo_vae.CHECKPOINT_FILE}"]
@@ -242,7 +242,7 @@ def find_release(
 
 
 def _wan_file() -> str:
-    from headmoe.pipeline import wan_vae
+    from headmoe.release import wan_vae
 
     return wan_vae.CHECKPOINT_FILE
 
@@ -268,7 +268,7 @@ def check_release(release: Release) -> None:
     tensors), then the refiner. Raises a one-line
     `ValueError` naming the file or tensor."""
     from headmoe.models.magi2 import check_checkpoint
-    from headmoe.pipeline import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
+    from headmoe.release import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
 
     cfg, root = release.model_config, Path(release.root)
     _component(release.transformer, check_checkpoint, cfg, release.transformer)
@@ -374,7 +374,7 @@ def tiny_release_name() -> str:
 def write_tiny_release(folder: str | os.PathLike) -> None:
     """Write the tiny release layout into ``folder`` (created; deterministic)."""
     from headmoe.models.magi2 import get_config, write_random_checkpoint
-    from headmoe.pipeline import audio_vae, tiny_text_encoder, turbo_vae, wan_vae
+    from headmoe.release import audio_vae, tiny_text_encoder, turbo_vae, wan_vae
 
     base, spec = Path(folder), TINY_SPEC
     cfg = get_config(spec["transformer"]["preset"])

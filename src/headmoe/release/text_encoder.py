@@ -26,7 +26,7 @@ import torch
 from headmoe.files import check_entries, confined_file, index_map, read_json
 from headmoe.pipeline.prompts import add_released_split, normalize_prompt
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
-from headmoe.pipeline.weights import check_tensors, open_safetensors
+from headmoe.release.weights import check_tensors, open_safetensors
 
 FEATURE_LAYER = -3  # hidden_states index of the feature
 
@@ -238,7 +238,7 @@ def check_text_encoder(folder: str | os.PathLike) -> int:
 
 
 class Qwen35TextEncoder:
-    """`headmoe.pipeline.encoders.TextEncoder` over a (truncated) ``Qwen3_5TextModel``.
+    """`headmoe.pipeline.interfaces.TextEncoder` over a (truncated) ``Qwen3_5TextModel``.
 
     Construct with `from_folder`. ``encode(text) -> [L, C]`` float32 (model-dtype values);
     `encode_batch` gives the batched form with the truncation report."""

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from headmoe.files import read_json
-from headmoe.pipeline import video_latents
-from headmoe.pipeline.weights import check_tensors, read_tensors
+from headmoe.release import video_latents
+from headmoe.release.weights import check_tensors, read_tensors
 
 CONFIG_FILE = "TurboV3-Wan22-TinyShallow_7_7.json"
 CHECKPOINT_FILE = "checkpoint.ckpt"
@@ -88,7 +88,7 @@ class TurboVAEConfig:
     def unused_keys(cls, data: Mapping[str, object]) -> list[str]:
         """The keys of a json dict headmoe does not use (training-only ones included, not
         ``_``-prefixed ones): the reference ignores them, so headmoe warns and records them
-        (`headmoe.pipeline.release.unused_entries`) instead of refusing the file."""
+        (`headmoe.release.folder.unused_entries`) instead of refusing the file."""
         names = {f.name for f in dataclasses.fields(cls)}
         return sorted(k for k in data if k not in names and not k.startswith("_"))
 
@@ -429,7 +429,7 @@ def load_turbo_vae(
 
 
 class TurboVideoDecoder:
-    """`headmoe.pipeline.encoders.VideoDecoder` over a `TurboV3`: pipeline latents
+    """`headmoe.pipeline.interfaces.VideoDecoder` over a `TurboV3`: pipeline latents
     ``[T_lat, H_lat, W_lat, 48]`` (normalised, fp32) -> uint8 ``[num_frames, 16 H_lat,
     16 W_lat, 3]``. De-normalisation happens inside `TurboV3.decode`."""
 

@@ -1,10 +1,7 @@
-"""Text encoder, video decoder and audio decoder: the interfaces and tiny embedded defaults.
-
-The pipeline talks to its three non-transformer components only through the protocols
-below, so MAGI-2's real components (a large text encoder with 5120-d features, the video VAE
-and the audio VAE) plug in by implementing them; see docs/pipeline.md. The tiny defaults
-have deterministic weights drawn from fixed seeds (no download, identical on every machine
-and rank):
+"""The tiny stand-ins for the release's text encoder and decoders (used when a job runs
+without a release folder, e.g. ``--model tiny``). Deterministic weights drawn from fixed
+seeds (no download, identical on every machine and rank); they implement the protocols of
+`headmoe.pipeline.interfaces`:
 
 - `ByteTextEncoder`: UTF-8 bytes plus a leading BOS token, looked up in an embedding table.
 - `TinyVideoDecoder`: every latent token `[C]` maps linearly to a `4 x 16 x 16 x 3` block of
@@ -17,62 +14,13 @@ and rank):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from headmoe.pipeline.audio_vae import LATENT_FPS, OUTPUT_SAMPLE_RATE, audio_latent_length
-from headmoe.pipeline.video_latents import SPATIAL_STRIDE, TEMPORAL_STRIDE, latent_shape
-
-if TYPE_CHECKING:
-    from headmoe.models.magi2 import BranchInput
-    from headmoe.pipeline.image import ReferenceImage
+from headmoe.release.audio_vae import LATENT_FPS, OUTPUT_SAMPLE_RATE, audio_latent_length
+from headmoe.release.video_latents import SPATIAL_STRIDE, TEMPORAL_STRIDE, latent_shape
 
 TEXT_SEED, VIDEO_SEED, AUDIO_SEED = 1001, 1002, 1003
-
-
-class TextEncoder(Protocol):
-    """Text -> features. ``out_channels`` must equal the transformer's ``text_in_channels``."""
-
-    out_channels: int
-
-    def encode(self, text: str) -> torch.Tensor:
-        """Features ``[L_text, out_channels]`` fp32 on CPU, ``L_text >= 1`` (also for "")."""
-        ...
-
-
-class VideoDecoder(Protocol):
-    """Video latents -> uint8 RGB frames."""
-
-    latent_channels: int
-
-    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """``(T_lat, H_lat, W_lat)`` of the latents that decode to at least ``num_frames``
-        frames of ``height x width``; raises `ValueError` naming the argument if the size
-        does not fit the decoder's strides."""
-        ...
-
-    def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
-        """``[T_lat, H_lat, W_lat, latent_channels]`` fp32 -> ``[num_frames, H, W, 3]`` uint8."""
-        ...
-
-
-class AudioDecoder(Protocol):
-    """Audio latents -> waveform."""
-
-    latent_channels: int
-    sample_rate: int
-    channels: int
-
-    def latent_length(self, duration_s: float) -> int:
-        """``T_audio``: latent tokens that cover ``duration_s`` seconds."""
-        ...
-
-    def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
-        """``[T_audio, latent_channels]`` fp32 -> ``[channels, num_samples]`` fp32 in [-1, 1]."""
-        ...
 
 
 def _weights(seed: int, shape: tuple[int, ...], fan_in: int) -> torch.Tensor:
@@ -145,35 +93,3 @@ class TinyAudioDecoder:
     def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
         wave = torch.tanh(latents @ self.weight).reshape(1, -1)
         return wave[:, :num_samples]
-
-
-class Denoiser(Protocol):
-    """Velocity predictions ``[(v_video, v_audio)]`` (fp32, shaped like each branch's video
-    and audio) for the branches this rank's SP group runs; identical on every rank of it."""
-
-    def __call__(
-        self, branches: Sequence[BranchInput]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
-
-
-class ImageEncoder(Protocol):
-    """Image-to-video: a reference image -> its clean video latent."""
-
-    def encode(self, image: ReferenceImage) -> torch.Tensor:
-        """``[h, w, video latent channels]`` fp32 on CPU (``(h, w) = image.latent_size``),
-        identical on every rank."""
-        ...
-
-
-@dataclass
-class Components:
-    """What a job runs: the transformer behind `Denoiser`, the three codecs and, for
-    image-to-video, the image encoder (None: the model takes no image)."""
-
-    denoiser: Denoiser
-    text_encoder: TextEncoder
-    video_decoder: VideoDecoder
-    audio_decoder: AudioDecoder
-    image_encoder: ImageEncoder | None = None
-    refiner: Any = None
-    """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from headmoe.files import read_json
-from headmoe.pipeline.weights import check_tensors, open_safetensors
+from headmoe.release.weights import check_tensors, open_safetensors
 
 CONFIG_FILE = "model_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -213,7 +213,7 @@ def _decoder_names(path: str, cfg: OobleckConfig, decoder: nn.Module) -> dict[st
 
 
 class OobleckAudioDecoder:
-    """`headmoe.pipeline.encoders.AudioDecoder` over diffusers' `OobleckDecoder`.
+    """`headmoe.pipeline.interfaces.AudioDecoder` over diffusers' `OobleckDecoder`.
 
     ``decode_51200(latents [T, 64]) -> [2, 2048 T]`` (model dtype -> float32, unclamped);
     ``decode(latents, num_samples) -> [2, num_samples]`` float32 at 44.1 kHz in [-1, 1]

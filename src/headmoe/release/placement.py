@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
-from headmoe.pipeline import audio_vae, video_latents
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
+from headmoe.release import audio_vae, video_latents
 
 HOST = torch.device("cpu")
 OK, FAILED = 0, 1
@@ -213,7 +213,7 @@ def node_text_encoder(ctx: ParallelContext, release: Any, timeout: timedelta,
     """The release's text encoder for this rank: loaded (`Qwen35TextEncoder.from_folder`,
     its model dtype, on the device or the host when offloading) on the node's first rank
     only; the node group created when the world spans several nodes."""
-    from headmoe.pipeline import text_encoder
+    from headmoe.release import text_encoder
 
     src, size = node_of(ctx, node_size)
     group = node_group(ctx, size, timeout)
@@ -236,7 +236,7 @@ IMAGE_RANK = 0
 
 
 class WorldImageEncoder:
-    """`headmoe.pipeline.encoders.ImageEncoder` whose Wan2.2 encoder (fp32,
+    """`headmoe.pipeline.interfaces.ImageEncoder` whose Wan2.2 encoder (fp32,
     `wan_vae.WanImageEncoder`) is loaded on `IMAGE_RANK` only and runs there once per request;
     every rank of the world receives the latent by broadcast (`broadcast_result`: header
     ``[status, h, w]``, then ``[h, w, 48]`` float32). Only `IMAGE_RANK` needs the image's
@@ -272,7 +272,7 @@ def world_image_encoder(ctx: ParallelContext, release: Any) -> WorldImageEncoder
         return None
     encoder = None
     if ctx.rank == IMAGE_RANK:
-        from headmoe.pipeline import wan_vae
+        from headmoe.release import wan_vae
 
         encoder = wan_vae.WanImageEncoder(wan_vae.load_wan_encoder(
             release.image_encoder, dtype=torch.float32,
@@ -313,13 +313,13 @@ def output_video_decoder(ctx: ParallelContext, release: Any) -> OutputVideoDecod
         return OutputVideoDecoder(kind)
     dtype, where = video_dtype(ctx.device), load_device(ctx.device, release.offload)
     if kind == "turbo":
-        from headmoe.pipeline import turbo_vae
+        from headmoe.release import turbo_vae
 
         dec = turbo_vae.TurboVideoDecoder(
             turbo_vae.load_turbo_vae(release.video_decoder_path, dtype=dtype, device=where))
         module = dec.model
     else:
-        from headmoe.pipeline import wan_vae
+        from headmoe.release import wan_vae
 
         dec = wan_vae.WanVideoDecoder(
             wan_vae.load_wan_vae(release.video_decoder_path, dtype=dtype, device=where))

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from headmoe.pipeline import video_latents
-from headmoe.pipeline.weights import check_tensors, read_tensors
+from headmoe.release import video_latents
+from headmoe.release.weights import check_tensors, read_tensors
 
 CHECKPOINT_FILE = "Wan2.2_VAE.pth"
 # AutoencoderKLWan arguments of the released VAE (z_dim 48); == diffusers'
@@ -277,7 +277,7 @@ def build_tiny_wan_vae(
 
 
 class WanVideoDecoder:
-    """`headmoe.pipeline.encoders.VideoDecoder` over ``AutoencoderKLWan``: pipeline latents
+    """`headmoe.pipeline.interfaces.VideoDecoder` over ``AutoencoderKLWan``: pipeline latents
     ``[T_lat, H_lat, W_lat, 48]`` (normalised) -> uint8 ``[num_frames, 16 H_lat, 16 W_lat, 3]``."""
 
     latent_channels = video_latents.LATENT_CHANNELS

@@ -29,15 +29,11 @@ from headmoe.models.magi2 import (
 from headmoe.models.magi2.loading import stream_layers
 from headmoe.models.refiner import Magi2Refiner, load_refiner
 from headmoe.models.refiner.loading import stream_refiner
-from headmoe.pipeline import placement
-from headmoe.pipeline.encoders import (
-    ByteTextEncoder,
-    Components,
-    TinyAudioDecoder,
-    TinyVideoDecoder,
-)
 from headmoe.pipeline.health import watch_layers
+from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.refine import Refiner
+from headmoe.release import placement
+from headmoe.release.standins import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
 
 if TYPE_CHECKING:
     from headmoe.pipeline.job import GenerateJob
@@ -71,7 +67,7 @@ def _progress(ctx: ParallelContext, job: GenerateJob):
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
-    the release's components (``job.release``: `headmoe.pipeline.placement`, text encoder on
+    the release's components (``job.release``: `headmoe.release.placement`, text encoder on
     each node's first rank, decoders on the output rank, image encoder on rank 0) or the
     stand-in text encoder and decoders sized to the model's channels."""
     cfg = job.model_config

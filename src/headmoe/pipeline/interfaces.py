@@ -1,0 +1,94 @@
+"""What a job runs, as interfaces: the transformer (`Denoiser`), the text encoder, the video
+and audio decoders, the image encoder, and `Components`, which holds one of each.
+
+The pipeline talks to its non-transformer components only through the protocols below, so
+MAGI-2's real components (`headmoe.release`: a large text encoder with 5120-d features, the
+video VAE and the audio VAE) and the tiny stand-ins (`headmoe.release.standins`) plug in by
+implementing them; see docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from headmoe.models.magi2 import BranchInput
+    from headmoe.pipeline.image import ReferenceImage
+
+
+class TextEncoder(Protocol):
+    """Text -> features. ``out_channels`` must equal the transformer's ``text_in_channels``."""
+
+    out_channels: int
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Features ``[L_text, out_channels]`` fp32 on CPU, ``L_text >= 1`` (also for "")."""
+        ...
+
+
+class VideoDecoder(Protocol):
+    """Video latents -> uint8 RGB frames."""
+
+    latent_channels: int
+
+    def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """``(T_lat, H_lat, W_lat)`` of the latents that decode to at least ``num_frames``
+        frames of ``height x width``; raises `ValueError` naming the argument if the size
+        does not fit the decoder's strides."""
+        ...
+
+    def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
+        """``[T_lat, H_lat, W_lat, latent_channels]`` fp32 -> ``[num_frames, H, W, 3]`` uint8."""
+        ...
+
+
+class AudioDecoder(Protocol):
+    """Audio latents -> waveform."""
+
+    latent_channels: int
+    sample_rate: int
+    channels: int
+
+    def latent_length(self, duration_s: float) -> int:
+        """``T_audio``: latent tokens that cover ``duration_s`` seconds."""
+        ...
+
+    def decode(self, latents: torch.Tensor, num_samples: int) -> torch.Tensor:
+        """``[T_audio, latent_channels]`` fp32 -> ``[channels, num_samples]`` fp32 in [-1, 1]."""
+        ...
+
+
+class Denoiser(Protocol):
+    """Velocity predictions ``[(v_video, v_audio)]`` (fp32, shaped like each branch's video
+    and audio) for the branches this rank's SP group runs; identical on every rank of it."""
+
+    def __call__(
+        self, branches: Sequence[BranchInput]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+class ImageEncoder(Protocol):
+    """Image-to-video: a reference image -> its clean video latent."""
+
+    def encode(self, image: ReferenceImage) -> torch.Tensor:
+        """``[h, w, video latent channels]`` fp32 on CPU (``(h, w) = image.latent_size``),
+        identical on every rank."""
+        ...
+
+
+@dataclass
+class Components:
+    """What a job runs: the transformer behind `Denoiser`, the three codecs and, for
+    image-to-video, the image encoder (None: the model takes no image)."""
+
+    denoiser: Denoiser
+    text_encoder: TextEncoder
+    video_decoder: VideoDecoder
+    audio_decoder: AudioDecoder
+    image_encoder: ImageEncoder | None = None
+    refiner: Any = None
+    """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""
