@@ -178,3 +178,21 @@ def test_one_rank_serve_runs_where_generate_runs(monkeypatch, tmp_path):
     with pytest.raises(Stop):
         worker.serve_rank(spec, 0, 1, None)
     assert seen == [torch.device("cuda", 0)]
+
+
+def test_every_flag_has_one_help_line_and_help_states_both_recipes():
+    """Issue 22 point 4: a help line for every flag of every command, no doubled
+    "(default: ...)"; generate --help says the tiny and the MAGI-2 Preview defaults."""
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            text = action.help or ""
+            assert text.strip(), (name, action.option_strings)
+            assert text.count("(default:") <= 1, (name, action.option_strings, text)
+    help_text = commands["generate"].format_help()
+    for fragment in ("100 for MAGI-2 Preview", "8 for the tiny release", "42 for MAGI-2",
+                     "bf16 on a GPU", "540p for MAGI-2 Preview", "10 for MAGI-2 Preview"):
+        assert fragment in " ".join(help_text.split()), fragment

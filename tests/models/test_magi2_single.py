@@ -147,10 +147,10 @@ def test_checkpoint_errors_name_the_tensor(tmp_path, small_ckpt):
     model = Magi2Transformer(SMALL)
     cases = {
         "missing": {k: v for k, v in full.items() if k != "block.layers.2.attention.sinks"},
-        "unexpected": {**full, "block.layers.9.extra": torch.zeros(2)},
+        "unexpected": {**full, "block.layers.2.extra": torch.zeros(2)},
         "mis-shaped": {**full, "block.layers.2.mlp.moe_mlp.W_down": torch.zeros(96, 64, 31)},
     }
-    names = {"missing": "block.layers.2.attention.sinks", "unexpected": "block.layers.9.extra",
+    names = {"missing": "block.layers.2.attention.sinks", "unexpected": "block.layers.2.extra",
              "mis-shaped": "block.layers.2.mlp.moe_mlp.W_down"}
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for kind, tensors in cases.items():

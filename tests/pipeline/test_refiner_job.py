@@ -11,6 +11,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from headmoe.admission import Budget, Deployment, admit
 from headmoe.cli.generate import build_job
@@ -22,7 +23,7 @@ from headmoe.models.magi2 import get_config
 from headmoe.models.refiner import get_refiner_config
 from headmoe.pipeline.job import run_job, run_jobs
 from headmoe.pipeline.media import read_mp4
-from headmoe.pipeline.refine import RefinerStage
+from headmoe.pipeline.refine import Refiner, RefinerStage
 from headmoe.release import folder as release
 from headmoe.testing import run_ranks
 
@@ -106,3 +107,29 @@ def test_1080p_preset_is_the_540p_preview_then_the_refiner():
     tight = dataclasses.replace(dep, budget=Budget(520 << 30, "test"))  # the preview fits
     with pytest.raises(Refusal, match="the refiner stage at 1920x1088"):
         admit({"prompt": "a fox", "resolution": "1080p"}, tight)
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self, name, log):
+        super().__init__()
+        self.name, self.log = name, log
+
+    def to(self, device):  # records the move instead of making it (no GPU here)
+        self.log.append((self.name, str(device)))
+        return self
+
+
+def test_offload_moves_the_idle_stage_to_the_host():
+    """--offload on a GPU: the refiner comes to the device for its stage and the preview
+    transformer waits on the host meanwhile, then both go back; on a CPU nothing moves."""
+    log = []
+    model, preview = _Recorder("refiner", log), _Recorder("preview", log)
+    with Refiner(model, preview, torch.device("cuda", 0), offload=True).active() as m:
+        assert m is model and log == [("preview", "cpu"), ("refiner", "cuda:0")]
+    assert log[2:] == [("refiner", "cpu"), ("preview", "cuda:0")]
+    log.clear()
+    with Refiner(model, preview, torch.device("cpu"), offload=True).active():
+        pass
+    with Refiner(model, None, torch.device("cuda", 0), offload=False).active():
+        pass
+    assert log == []

@@ -69,6 +69,9 @@ def test_submit_poll_fetch_equals_generate(server, client, reference):
     assert frames.shape == (13, 64, 96, 3) and fps == 12.5 and rate == 44100
     side = json.loads(path.with_suffix(".json").read_text())
     assert side["request"]["negative_prompt"] == "blur" and side["request"]["seed"] == 5
+    sources = side["admission"]["sources"]  # where each field came from (issue 22 point 4)
+    assert sources["seed"] == "request" and sources["num_frames"] == "model default"
+    assert sources["dtype"] == "server" and side["admission"]["recipe"] == "tiny"
     listed = client.get("/v1/videos").json()
     assert listed["object"] == "list" and job["id"] in [v["id"] for v in listed["data"]]
 

@@ -32,6 +32,8 @@ from tests.pipeline.fake import fake_components
     (["--memory-gib", "nan"], "--max-memory-gib must be a number of GiB in [0, 1,048,576]"),
     (["--max-memory-gib", "-1"], "--max-memory-gib must be a number of GiB in [0, 1,048,576]"),
     (["--host", "no such host!"], "--host 'no such host!' is not a valid address"),
+    (["--output-dir", "/etc/hostname/videos"],
+     "--output-dir '/etc/hostname/videos': '/etc/hostname' is not a folder"),
     (["--nproc", "0"], "--nproc must be a positive number of ranks, got 0"),
     (["--api-key-file", "/nonexistent/key"], "--api-key-file '/nonexistent/key': No such file"),
     (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),

@@ -165,6 +165,20 @@ def _both(field: str, fmt: Callable[[Any], str] = str) -> str:
     return f"(default: {fmt(tiny)} for the tiny release, {fmt(rel)} for MAGI-2 Preview)"
 
 
+#: request flags that are a field, a type and a help line (default: the model's recipe)
+_PLAIN_FIELDS: tuple[tuple[str, type, str], ...] = (
+    ("height", int, "pixels, a multiple of 16"),
+    ("width", int, "pixels, a multiple of 16"),
+    ("num_frames", int, "output frames, of the form 4k+1"),
+    ("fps", float, "frame rate"),
+    ("num_inference_steps", int, "denoising steps"),
+    ("seed", int, "noise seed; data-parallel group k uses seed + k"),
+    ("guidance_scale", float, "video CFG scale"),
+    ("audio_guidance_scale", float, "audio CFG scale"),
+    ("shift", float, "flow-matching time shift"),
+)
+
+
 def _add_request_flags(p: argparse.ArgumentParser) -> None:
     """The request: prompts, size, steps, seed, guidance, sampler, dtype. Every default is
     None: admission fills what is not given from the model's recipe and records which
@@ -194,28 +208,14 @@ def _add_request_flags(p: argparse.ArgumentParser) -> None:
                    "uses --height/--width)")
     p.add_argument("--size", default=None, metavar="WxH",
                    help="width x height in pixels, e.g. 896x512 (the HTTP API's size field)")
-    p.add_argument("--height", type=int, default=None,
-                   help=f"pixels, a multiple of 16 {_both('height')}")
-    p.add_argument("--width", type=int, default=None,
-                   help=f"pixels, a multiple of 16 {_both('width')}")
+    for field, kind, what in _PLAIN_FIELDS:
+        p.add_argument("--" + field.replace("_", "-"), type=kind, default=None,
+                       help=f"{what} {_both(field)}")
     p.add_argument("--seconds", type=float, default=None,
                    help="clip length; num_frames = the largest 4k+1 <= seconds x fps (the "
                    "release makes 10 s = 125 frames at 12.5 fps; other lengths are headmoe's "
                    "extension, noted in the sidecar) (default: 10 for MAGI-2 Preview; the "
                    "tiny release uses --num-frames)")
-    p.add_argument("--num-frames", type=int, default=None,
-                   help=f"output frames, of the form 4k+1 {_both('num_frames')}")
-    p.add_argument("--fps", type=float, default=None, help=f"frame rate {_both('fps')}")
-    p.add_argument("--num-inference-steps", type=int, default=None,
-                   help=f"denoising steps {_both('num_inference_steps')}")
-    p.add_argument("--seed", type=int, default=None,
-                   help=f"noise seed; data-parallel group k uses seed + k {_both('seed')}")
-    p.add_argument("--guidance-scale", type=float, default=None,
-                   help=f"video CFG scale {_both('guidance_scale')}")
-    p.add_argument("--audio-guidance-scale", type=float, default=None,
-                   help=f"audio CFG scale {_both('audio_guidance_scale')}")
-    p.add_argument("--shift", type=float, default=None,
-                   help=f"flow-matching time shift {_both('shift')}")
     p.add_argument("--sampler", choices=SAMPLERS, default=None,
                    help="unipc: the released scheduler (docs/pipeline.md section 3) "
                    f"{_both('sampler')}")

@@ -99,7 +99,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "preview/config.json, or MAGI-2 Preview's without one; its components size the "
         "encoder and decoder columns)",
     )
-    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True,
+                   help=f"ranks of the world to plan (1 to {MAX_WORLD_SIZE:,})")
     add_request_arguments(p)
     p.add_argument(
         "--dtype",
@@ -119,7 +120,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="release folder whose text encoder / decoder configs size the components "
         "(default: the --model preset's)",
     )
-    p.add_argument("--video-decoder", choices=("turbo", "wan2.2"), default="turbo")
+    p.add_argument("--video-decoder", choices=("turbo", "wan2.2"), default="turbo",
+                   help="video decoder whose bytes are counted (default: turbo)")
     p.add_argument(
         "--image",
         action="store_true",

@@ -28,15 +28,16 @@ from headmoe.config import check_positive_int, is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
 from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
+from headmoe.release.video_latents import SPATIAL_STRIDE
 
 #: the refiner's released evaluation fields (REFINER.md section 2)
 REFINER_STEPS = 5
 REFINER_SHIFT = 5.0
 REFINER_GUIDANCE = 2.0
 REFINER_NOISE_INDEX = 220
-#: pixels per refiner latent cell (the VAE's spatial stride) and latent frames per preview
-#: frame interval (the refined clip has 2T - 1 latent frames at twice the preview's fps)
-REFINER_SPATIAL_STRIDE = 16
+#: latent frames per preview frame interval (the refined clip has 2T - 1 latent frames at
+#: twice the preview's fps); a refiner latent cell is `SPATIAL_STRIDE` pixels, as the
+#: preview's (the decoders' rule, `headmoe.release.video_latents`)
 REFINER_FPS_FACTOR = 2
 #: limits of a request's refiner size (pixels) and steps
 MAX_REFINER_SIDE = 4096
@@ -64,8 +65,8 @@ def renoise_signal() -> torch.Tensor:
 def refiner_latent_thw(preview_frames: int, height: int, width: int) -> tuple[int, int, int]:
     """The refiner's latent `(2T - 1, height // 16, width // 16)` for a preview latent of
     T frames and a refiner size in pixels."""
-    return (REFINER_FPS_FACTOR * (preview_frames - 1) + 1, height // REFINER_SPATIAL_STRIDE,
-            width // REFINER_SPATIAL_STRIDE)
+    return (REFINER_FPS_FACTOR * (preview_frames - 1) + 1, height // SPATIAL_STRIDE,
+            width // SPATIAL_STRIDE)
 
 
 def upsample_preview(latent: torch.Tensor, thw: tuple[int, int, int]) -> torch.Tensor:
@@ -127,10 +128,10 @@ class RefinerStage:
     def __post_init__(self) -> None:
         for name in ("height", "width"):
             v = getattr(self, name)
-            if not is_int(v) or v < REFINER_SPATIAL_STRIDE or v % REFINER_SPATIAL_STRIDE \
+            if not is_int(v) or v < SPATIAL_STRIDE or v % SPATIAL_STRIDE \
                     or v > MAX_REFINER_SIDE:
                 raise ValueError(f"refiner_{name}={v!r} must be a multiple of "
-                                 f"{REFINER_SPATIAL_STRIDE} in [{REFINER_SPATIAL_STRIDE}, "
+                                 f"{SPATIAL_STRIDE} in [{SPATIAL_STRIDE}, "
                                  f"{MAX_REFINER_SIDE}]")
         if not is_int(self.steps) or not 1 <= self.steps <= MAX_REFINER_STEPS:
             raise ValueError(f"refiner_steps={self.steps!r} must be an integer in "
@@ -200,7 +201,7 @@ def refine_stage(
     thw = refiner_latent_thw(preview.shape[0], height, width)
     if min(thw) < 1:
         raise ValueError(f"refiner latent {thw} for refiner size {height}x{width} is empty; "
-                         f"refiner height and width must be at least {REFINER_SPATIAL_STRIDE}")
+                         f"refiner height and width must be at least {SPATIAL_STRIDE}")
     up = upsample_preview(preview.permute(3, 0, 1, 2), thw)
     noise = torch.randn((1, *up.shape), generator=generator, device=generator.device)
     noise = noise[0].to(up.device)

@@ -28,8 +28,43 @@ VIDEO, AUDIO, TEXT = 0, 1, 2
 PARAMS_DTYPES: dict[str, torch.dtype] = {"float32": DTYPES["fp32"], "bfloat16": DTYPES["bf16"]}
 
 
+class TransformerShape:
+    """Sizes derived alike for the MAGI-2 transformer and its refiner from their fields
+    `hidden_size`, `head_dim`, `num_query_groups`, the three in-channel counts and
+    `params_dtype`."""
+
+    @property
+    def num_attention_heads(self) -> int:
+        """Query heads: hidden_size // head_dim."""
+        return self.hidden_size // self.head_dim
+
+    @property
+    def rope_bands(self) -> int:
+        """Rotary frequency bands B per axis (head_dim // 8): 3 axes x (sin, cos) x B = 6B,
+        so the first 3/4 of each head are rotated."""
+        return self.head_dim // 8
+
+    @property
+    def qkv_width(self) -> int:
+        """Rows of linear_qkv per modality: (query heads + 2 KV heads) * head_dim."""
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+
+    @property
+    def max_in_channels(self) -> int:
+        """Width of the packed input x (the largest in-channel count)."""
+        return max(self.video_in_channels, self.audio_in_channels, self.text_in_channels)
+
+    @property
+    def torch_params_dtype(self) -> torch.dtype:
+        return PARAMS_DTYPES[self.params_dtype]
+
+    @property
+    def num_modalities(self) -> int:
+        return len(MODALITIES)
+
+
 @dataclass(frozen=True)
-class Magi2Config:
+class Magi2Config(TransformerShape):
     """Dimensions of a MAGI-2-family transformer (validated on construction).
 
     Derived sizes (MAGI2.md section 1): query heads `hidden_size // head_dim`, rotary bands
@@ -109,17 +144,6 @@ class Magi2Config:
 
     # ------------------------------------------------------------------ derived sizes
     @property
-    def num_attention_heads(self) -> int:
-        """Query heads: hidden_size // head_dim."""
-        return self.hidden_size // self.head_dim
-
-    @property
-    def rope_bands(self) -> int:
-        """Rotary frequency bands B per axis (head_dim // 8): 3 axes x (sin, cos) x B = 6B,
-        so the first 3/4 of each head are rotated."""
-        return self.head_dim // 8
-
-    @property
     def dense_intermediate_size(self) -> int:
         """floor(C * factor * 2/3) rounded down to a multiple of 128 (at least 128)."""
         raw = int(self.hidden_size * self.intermediate_factor * 2 / 3)
@@ -140,23 +164,9 @@ class Magi2Config:
         return self.mhc_streams * self.hidden_size
 
     @property
-    def qkv_width(self) -> int:
-        """Rows of linear_qkv per modality: (query heads + 2 KV heads) * head_dim."""
-        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
-
-    @property
-    def max_in_channels(self) -> int:
-        """Width of the packed input x (the largest in-channel count)."""
-        return max(self.video_in_channels, self.audio_in_channels, self.text_in_channels)
-
-    @property
     def out_width(self) -> int:
         """Columns of the packed output (the larger of the video / audio channels)."""
         return max(self.video_in_channels, self.audio_in_channels)
-
-    @property
-    def torch_params_dtype(self) -> torch.dtype:
-        return PARAMS_DTYPES[self.params_dtype]
 
     @property
     def dense_layer_ids(self) -> tuple[int, ...]:
@@ -166,10 +176,6 @@ class Magi2Config:
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if i not in self.multimodal_layers)
-
-    @property
-    def num_modalities(self) -> int:
-        return len(MODALITIES)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -13,14 +13,12 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import torch
-
 from headmoe.config import ParallelConfig, check_positive_int, is_int
-from headmoe.models.magi2.config import MODALITIES, PARAMS_DTYPES, config_from_json
+from headmoe.models.magi2.config import PARAMS_DTYPES, TransformerShape, config_from_json
 
 
 @dataclass(frozen=True)
-class Magi2RefinerConfig:
+class Magi2RefinerConfig(TransformerShape):
     """Dimensions of a MAGI-2 refiner (validated on construction).
 
     Derived sizes (REFINER.md section 2): query heads `hidden_size // head_dim`, rotary
@@ -76,35 +74,9 @@ class Magi2RefinerConfig:
                              f"got {self.params_dtype!r}")
 
     @property
-    def num_attention_heads(self) -> int:
-        return self.hidden_size // self.head_dim
-
-    @property
-    def rope_bands(self) -> int:
-        """Rotary bands B per axis (head_dim // 8): the first 6B = 3/4 of a head rotate."""
-        return self.head_dim // 8
-
-    @property
     def intermediate_size(self) -> int:
         """floor(C * 4 * 2/3) rounded down to a multiple of 4 (10920 for C = 4096)."""
         return int(self.hidden_size * 4 * 2 / 3) // 4 * 4
-
-    @property
-    def qkv_width(self) -> int:
-        """Rows of linear_qkv per modality: (query heads + 2 KV heads) * head_dim."""
-        return (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
-
-    @property
-    def max_in_channels(self) -> int:
-        return max(self.video_in_channels, self.audio_in_channels, self.text_in_channels)
-
-    @property
-    def num_modalities(self) -> int:
-        return len(MODALITIES)
-
-    @property
-    def torch_params_dtype(self) -> torch.dtype:
-        return PARAMS_DTYPES[self.params_dtype]
 
     @property
     def block_size(self) -> tuple[int, int, int]:
