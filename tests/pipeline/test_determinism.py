@@ -8,7 +8,7 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
 from headmoe.pipeline.request import GenerateRequest
-from headmoe.release.components import resolve_model
+from headmoe.release.components import magi2_components, resolve_model
 from headmoe.testing import run_ranks
 
 # World 4 for every layout, so one spawn runs them all; "1 rank" is DP4 (each DP group of
@@ -49,7 +49,8 @@ def _request(dtype, seed=3):
 
 def _jobs(cfg, ckpt):
     return [
-        GenerateJob(_request(dt), par, cfg, ckpt, None, timeout_s=120, progress=False)
+        GenerateJob(_request(dt), par, cfg, ckpt, None, timeout_s=120, progress=False,
+                    components=magi2_components)
         for dt in DTYPES
         for par in LAYOUTS.values()
     ]
@@ -72,7 +73,8 @@ def test_same_bytes_on_every_layout(tmp_path):
         try:
             for seed in (3, 4):
                 job = GenerateJob(
-                    _request(dt, seed), ParallelConfig(), cfg, ckpt, None, progress=False
+                    _request(dt, seed), ParallelConfig(), cfg, ckpt, None, progress=False,
+                    components=magi2_components,
                 )
                 res = run_job(ParallelContext.single(), job)
                 ref[seed] = (res["video_sha256"], res["audio_sha256"])

@@ -23,6 +23,7 @@ from headmoe.pipeline.job import GenerateJob, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.release import folder as release
 from headmoe.release import placement
+from headmoe.release.components import magi2_components
 from tests.pipeline.goldens import golden_file
 from tests.pipeline.test_release import _generate as release_generate
 
@@ -49,7 +50,8 @@ def _job(folder: Path, image) -> GenerateJob:
     req = GenerateRequest(prompt=PROMPT, height=64, width=96, num_frames=5,
                           num_inference_steps=2)
     return GenerateJob(req, ParallelConfig(), rel.model_config, rel.transformer, None,
-                       progress=False, release=rel, image=image)
+                       progress=False, release=rel, image=image,
+                       components=magi2_components)
 
 
 def test_image_rows_reach_both_branches(folder):

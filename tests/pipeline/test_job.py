@@ -1,6 +1,8 @@
 """Pipeline logic with a test-only denoiser: noise order, CFG paths, DP seeds, output."""
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -166,6 +168,22 @@ def test_job_rejects_bad_timeout(timeout):
                                          rf"at least 1 s .*), got {timeout!r}"):
         GenerateJob(REQ, ParallelConfig(), None, "", None, timeout_s=timeout)
 
+
+def test_a_job_without_a_component_factory_is_refused_before_it_runs():
+    job = replace(_job(), components=None)
+    with pytest.raises(ValueError, match="job.components is None: a job that runs needs a "
+                                         "component factory"):
+        run_job(ParallelContext.single(), job)
+
+
+def test_the_job_imports_no_component_factory():
+    """The factory is passed in (`GenerateJob.components`): importing the job loads none of
+    the release's component code."""
+    code = ("import sys, headmoe.pipeline.job; "
+            "print(sorted(m for m in sys.modules if m.startswith('headmoe.release.comp')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
 
 def test_failed_sidecar_leaves_no_outputs(tmp_path, monkeypatch):
     out = tmp_path / "x.mp4"

@@ -21,6 +21,7 @@ from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.planner.memory import StreamSettings, stream_estimate
 from headmoe.release import folder as release
+from headmoe.release.components import magi2_components
 
 STEPS = 2
 EP2 = {"ulysses_degree": 4, "enable_expert_parallel": True, "expert_parallel_size": 2}
@@ -40,7 +41,7 @@ def _job(found, parallel, offload, resident=0, output=None):
     model = dataclasses.replace(found.model_config, name="tiny")  # as generate names it
     return GenerateJob(req, parallel, model, found.transformer, output,
                        timeout_s=120, progress=False, release=found, offload_layers=offload,
-                       resident_layers=resident)
+                       resident_layers=resident, components=magi2_components)
 
 
 def _refined(found, parallel, offload):

@@ -183,13 +183,22 @@ def test_killed_supervisor_takes_its_ranks_and_port_with_it(tmp_path, tiny_cache
         wait_for(client, job["id"], lambda j: j["steps_completed"] >= 1)
     os.kill(srv.proc.pid, signal.SIGKILL)
     srv.proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    alive = ranks
-    while alive and time.monotonic() < deadline:
+    deadline = time.monotonic() + 15
+    alive, free = ranks, False
+    while (alive or not free) and time.monotonic() < deadline:
         alive = [p for p in alive if _alive(p)]
+        free = _port_free(port)  # a rank's threads may still be exiting behind a zombie
         time.sleep(0.1)
     assert not alive, f"orphaned ranks {alive} still running"
-    bind("127.0.0.1", port).close()  # the port is free again
+    assert free, f"port {port} still taken"
+
+
+def _port_free(port: int) -> bool:
+    try:
+        bind("127.0.0.1", port).close()
+    except OSError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:

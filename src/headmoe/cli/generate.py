@@ -320,6 +320,7 @@ def build_job(args: argparse.Namespace) -> tuple[Any, int]:
 def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
     """`build_job` plus the `Deployment` its request was admitted on (serve keeps it)."""
     from headmoe.pipeline.job import GenerateJob
+    from headmoe.release.components import magi2_components
 
     checks.check_args(args)  # the prompt (--prompt-file read, capped) and --max-memory-gib
     try:
@@ -360,6 +361,7 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         release=release,
         image=image,
         refiner=admitted.refiner,
+        components=magi2_components,
     )
     return job, world, dep
 

@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from headmoe.errors import NonFiniteError
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+    from headmoe.pipeline.interfaces import TextEncoder
 
 BRANCHES = ("conditional", "unconditional")
 _HINT = ("check the checkpoint with --check-weights, or rerun with --debug to find the first "
@@ -63,12 +69,13 @@ def check_media(stage: str, hint: str = _HINT, **tensors: torch.Tensor) -> None:
             raise NonFiniteError(f"{kind} in the {name} {stage}, {hint}")
 
 
-def watch_layers(model: Any) -> list[Any]:
+def watch_layers(model: nn.Module) -> list[RemovableHandle]:
     """Forward hooks on ``model.block.layers`` raising `NonFiniteError` at the first layer
     whose output is not finite; returns the hook handles (``.remove()`` them when done)."""
     handles = []
     for i, layer in enumerate(getattr(getattr(model, "block", None), "layers", ())):
-        def hook(module: Any, inputs: Any, output: torch.Tensor, index: int = i) -> None:
+        def hook(module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor,
+                 index: int = i) -> None:
             kind = _bad(output)
             if kind:
                 raise NonFiniteError(
@@ -80,7 +87,7 @@ def watch_layers(model: Any) -> list[Any]:
     return handles
 
 
-def text_report(encoder: Any, texts: Sequence[str], features: Sequence[torch.Tensor],
+def text_report(encoder: TextEncoder, texts: Sequence[str], features: Sequence[torch.Tensor],
                 counts: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``{"text_tokens": [kept per text], "text_truncated": [bool per text],
     "text_max_tokens": limit or None}`` from what the encoder reports: `counts` (its

@@ -21,9 +21,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from headmoe.pipeline.image import ReferenceImage
+    from headmoe.pipeline.interfaces import Components
 
 #: the marker of the (single) reference image
 FIGURE_TOKEN = "<Figure 1>"
@@ -88,7 +92,7 @@ class ImageCondition:
         return {"image": self.latent, "image_token": self.token}
 
 
-def image_condition(parts: Any, image: Any, prompt: str, features: torch.Tensor,
+def image_condition(parts: Components, image: ReferenceImage, prompt: str, features: torch.Tensor,
                     dtype: torch.dtype) -> ImageCondition:
     """Encode ``image`` (`parts.image_encoder`, once, broadcast) and pool the marker of
     ``prompt`` (already through `ensure_figure_token`) over its ``features`` ``[L, C]``;

@@ -37,10 +37,13 @@ import hashlib
 import io
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 #: the largest image file accepted (bytes)
 MAX_IMAGE_BYTES = 32 << 20
@@ -139,7 +142,7 @@ def _unidentified(data: bytes, what: str) -> ImageError:
     return ImageError(f"{what} is a damaged {kind} file (its header cannot be read)")
 
 
-def _check_header(img: Any, what: str) -> None:
+def _check_header(img: PILImage, what: str) -> None:
     w, h = img.size
     if w < 1 or h < 1:
         raise ImageError(f"{what} has size {w}x{h}; an image needs at least 1x1 pixels")
@@ -148,7 +151,7 @@ def _check_header(img: Any, what: str) -> None:
                          f"{MAX_IMAGE_PIXELS} accepted (refused before decoding)")
 
 
-def open_image(data: bytes, what: str = "the image") -> tuple[Any, dict[str, Any]]:
+def open_image(data: bytes, what: str = "the image") -> tuple[PILImage, dict[str, Any]]:
     """``(RGB PIL image, facts)`` of the file ``data`` after every check of the module doc;
     facts: ``sha256``, ``bytes``, ``format``, ``mode``, ``frames``, ``source_size``.
     Raises `ImageError` (`ImageTooLarge` over the byte cap) naming the problem."""
@@ -191,7 +194,7 @@ def target_size(width: int, height: int, long_side: int) -> tuple[int, int]:
     return int(width * long_side / height), long_side
 
 
-def resize_and_pad(img: Any, target_w: int, target_h: int) -> Any:
+def resize_and_pad(img: PILImage, target_w: int, target_h: int) -> PILImage:
     """The release's ``_resizepad``: keep the aspect, LANCZOS, centred on white."""
     from PIL import Image
 

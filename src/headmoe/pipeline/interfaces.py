@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from headmoe.models.magi2 import BranchInput
     from headmoe.pipeline.image import ReferenceImage
+    from headmoe.pipeline.refine import Refiner
 
 
 class TextEncoder(Protocol):
@@ -90,5 +91,5 @@ class Components:
     video_decoder: VideoDecoder
     audio_decoder: AudioDecoder
     image_encoder: ImageEncoder | None = None
-    refiner: Any = None
+    refiner: Refiner | None = None
     """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""

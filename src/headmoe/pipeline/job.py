@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,7 @@ from headmoe.config import ParallelConfig, check_positive_number
 from headmoe.distributed.context import ParallelContext, set_rank_threads
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
-from headmoe.models.magi2 import BranchInput
+from headmoe.models.magi2 import BranchInput, Magi2Config
 from headmoe.models.streaming import split_layers
 from headmoe.pipeline.health import (
     DECODER_HINT,
@@ -58,13 +58,16 @@ from headmoe.pipeline.media import (
     write_mp4,
     write_sidecar,
 )
-from headmoe.pipeline.refine import REFINER_FPS_FACTOR, refine_stage
+from headmoe.pipeline.refine import REFINER_FPS_FACTOR, RefinerStage, refine_stage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
-from headmoe.release.components import magi2_components
 from headmoe.release.placement import is_output_coords
 from headmoe.release.video_latents import frame_count
+
+if TYPE_CHECKING:
+    from headmoe.pipeline.image import ReferenceImage
+    from headmoe.release.folder import Release
 
 #: the shortest collective timeout (s): below it the ranks cannot even join the group
 MIN_TIMEOUT_S = 1.0
@@ -76,19 +79,22 @@ class GenerateJob:
 
     ``model_config`` is a `Magi2Config`; ``checkpoint`` its weights (see `resolve_model`).
     ``output`` None computes and returns the hashes without writing files. ``components``
-    replaces `magi2_components` (a module-level function, for tests). ``release`` (a
+    is the factory that builds the job's components on each rank (a module-level function:
+    the job travels to spawned ranks); the entry points pass
+    `headmoe.release.components.magi2_components`, tests their own; None only for jobs whose
+    components are handed to `denoise` directly. ``release`` (a
     `headmoe.release.folder.Release`) selects the release's text encoder and decoders;
     None keeps the stand-ins of `headmoe.release.standins`."""
 
     request: GenerateRequest
     parallel: ParallelConfig
-    model_config: Any
+    model_config: Magi2Config
     checkpoint: str
     output: str | None
     timeout_s: float = 300.0
     progress: bool = True
     components: Callable[[ParallelContext, GenerateJob], Components] | None = None
-    release: Any = None
+    release: Release | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False
@@ -96,10 +102,10 @@ class GenerateJob:
     overwrite: bool = False
     """Replace existing output files; without it an output that appears while the job runs
     (another run's) is kept and the job fails (`headmoe.files.atomic_write`)."""
-    image: Any = None
+    image: ReferenceImage | None = None
     """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
     pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
-    refiner: Any = None
+    refiner: RefinerStage | None = None
     """The 1080p refiner stage (a `headmoe.pipeline.refine.RefinerStage`; the release's
     ``refiner/`` runs it after the preview); None: the preview is the output."""
     offload_layers: bool = False
@@ -150,10 +156,13 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
 
 
 def build_components(ctx: ParallelContext, job: GenerateJob) -> Components:
-    """The components ``job`` runs with (``job.components`` or `magi2_components`): built
+    """The components ``job`` runs with, built by its factory ``job.components``: built
     once, they serve any number of `run_request` calls of the same model, layout and
     dtype."""
-    return (job.components or magi2_components)(ctx, job)
+    if job.components is None:
+        raise ValueError("job.components is None: a job that runs needs a component factory "
+                         "(the entry points pass headmoe.release.components.magi2_components)")
+    return job.components(ctx, job)
 
 
 @dataclass

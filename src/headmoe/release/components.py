@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,7 +45,7 @@ TINY_CHECKPOINT_SEED = 0
 class Magi2Denoiser:
     """`Denoiser` over a `headmoe.models.magi2.Magi2Transformer`."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Magi2Transformer):
         self.model = model
 
     @torch.no_grad()
@@ -106,7 +106,8 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     )
 
 
-def refiner_component(ctx: ParallelContext, job: GenerateJob, preview: Any) -> Refiner:
+def refiner_component(ctx: ParallelContext, job: GenerateJob,
+                      preview: Magi2Transformer | None) -> Refiner:
     """The release's refiner (``refiner/``) on ``ctx``'s SP groups, in the request's dtype,
     loaded on the device, or on the host with ``--offload`` (`Refiner` moves it to the
     device for the stage and ``preview``, the resident preview transformer or None when its
@@ -135,7 +136,7 @@ def resolve_model(
     model_config: str | None = None,
     *,
     write: bool = True,
-) -> tuple[Any, str]:
+) -> tuple[Magi2Config, str]:
     """``(Magi2Config, checkpoint path)`` for ``model``: the preset "tiny" (deterministic
     random weights, seed `TINY_CHECKPOINT_SEED`, written once to ``cache_dir`` under a name
     that hashes the tensor spec, atomically; ``write=False`` only names the file) or a

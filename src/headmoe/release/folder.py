@@ -29,10 +29,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headmoe.files import atomic_folder, entry_problem
 from headmoe.models.magi2.loading import INDEX_SUFFIX
+
+if TYPE_CHECKING:
+    from headmoe.models.magi2 import Magi2Config
+    from headmoe.models.refiner import Magi2RefinerConfig
 
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
@@ -60,7 +64,7 @@ class Release:
 
     root: str
     transformer: str
-    model_config: Any
+    model_config: Magi2Config
     text_encoder: str
     video_decoder: str
     video_decoder_path: str
@@ -70,7 +74,7 @@ class Release:
     """The ``vae/`` folder whose Wan2.2 encoder encodes I2V images (None: no image input)."""
     refiner: str | None = None
     """The refiner checkpoint under ``refiner/`` (None: the folder has no refiner)."""
-    refiner_config: Any = None
+    refiner_config: Magi2RefinerConfig | None = None
     """Its `Magi2RefinerConfig`."""
     unused: tuple[str, ...] = ()
     """Component file entries headmoe does not read (`unused_entries`; set by the caller of
@@ -161,7 +165,7 @@ OPTIONAL_FILES = (f"{PREVIEW_DIR}/{MODEL_CONFIG}", f"{TEXT_ENCODER_DIR}/tokenize
 IMPLIED_CONFIG = "magi2-preview"
 
 
-def release_config(base: Path, model_config: Any = None) -> Any:
+def release_config(base: Path, model_config: Magi2Config | str | None = None) -> Magi2Config:
     """The transformer configuration of release folder ``base``: ``model_config`` when given
     (a `Magi2Config`, a preset name or a JSON file), else ``preview/config.json`` when
     present, else the `IMPLIED_CONFIG` preset; named after the folder."""
@@ -178,7 +182,7 @@ def release_config(base: Path, model_config: Any = None) -> Any:
     return dataclasses.replace(cfg, name=base.name)
 
 
-def find_refiner(base: Path) -> tuple[str | None, Any]:
+def find_refiner(base: Path) -> tuple[str | None, Magi2RefinerConfig | None]:
     """(checkpoint, `Magi2RefinerConfig`) of ``base/refiner/``, or (None, None) when the
     folder has no refiner checkpoint. The config is ``refiner/config.json`` when present,
     else the `IMPLIED_REFINER_CONFIG` preset."""
@@ -197,7 +201,7 @@ def find_refiner(base: Path) -> tuple[str | None, Any]:
 
 def find_release(
     root: str | os.PathLike, video_decoder: str = "turbo", offload: bool = False,
-    image_encoder: bool | None = False, model_config: Any = None,
+    image_encoder: bool | None = False, model_config: Magi2Config | str | None = None,
 ) -> Release:
     """The `Release` of folder ``root``: every file `required_files` lists, the transformer
     under ``preview/`` and the text encoder's weights must exist and be readable; all that

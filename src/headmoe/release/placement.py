@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -38,11 +38,21 @@ from headmoe.distributed.launch import torchrun_env
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.release import audio_vae, video_latents
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from headmoe.distributed.topology import Coords
+    from headmoe.pipeline.image import ReferenceImage
+    from headmoe.release.folder import Release
+    from headmoe.release.text_encoder import Qwen35TextEncoder
+    from headmoe.release.turbo_vae import TurboVideoDecoder
+    from headmoe.release.wan_vae import WanImageEncoder, WanVideoDecoder
+
 HOST = torch.device("cpu")
 OK, FAILED = 0, 1
 
 
-def is_output_coords(coords: Any) -> bool:
+def is_output_coords(coords: Coords) -> bool:
     """The writer of its DP group: the rank at SP and CFG coordinates 0 (the one home of
     this rule: the job, the placement of the decoders and the planner ask it)."""
     return (coords.sp, coords.cfg) == (0, 0)
@@ -101,7 +111,8 @@ class NodeTextEncoder:
     many texts this rank's encoder has encoded (0 off ``src``; the sidecar's
     ``text_encoder_runs``)."""
 
-    def __init__(self, encoder: Any, out_channels: int, src: int, group: Any, size: int,
+    def __init__(self, encoder: Qwen35TextEncoder | None, out_channels: int, src: int,
+                 group: ProcessGroup | None, size: int,
                  device: torch.device, offload: bool):
         self.encoder, self.out_channels = encoder, out_channels
         self.src, self.group, self.size, self.device = src, group, size, device
@@ -148,7 +159,8 @@ class NodeTextEncoder:
 
 
 def broadcast_result(
-    produce: Callable[[], tuple[list[int], torch.Tensor]] | None, src: int, group: Any,
+    produce: Callable[[], tuple[list[int], torch.Tensor]] | None, src: int,
+    group: ProcessGroup | None,
     size: int, device: torch.device, header_len: int,
     shape: Callable[[list[int]], tuple[int, ...]], dtype: torch.dtype, what: str,
 ) -> tuple[list[int], torch.Tensor]:
@@ -197,7 +209,8 @@ def node_of(ctx: ParallelContext, node_size: int | None = None) -> tuple[int, in
     return ctx.rank // node_size * node_size, node_size
 
 
-def node_group(ctx: ParallelContext, node_size: int, timeout: timedelta) -> Any:
+def node_group(ctx: ParallelContext, node_size: int, timeout: timedelta
+               ) -> ProcessGroup | None:
     """This rank's node group (every rank creates every node's group, in order); None when
     the world is one node (the default group serves)."""
     world = ctx.world_size
@@ -208,7 +221,7 @@ def node_group(ctx: ParallelContext, node_size: int, timeout: timedelta) -> Any:
     return group
 
 
-def node_text_encoder(ctx: ParallelContext, release: Any, timeout: timedelta,
+def node_text_encoder(ctx: ParallelContext, release: Release, timeout: timedelta,
                       node_size: int | None = None) -> NodeTextEncoder:
     """The release's text encoder for this rank: loaded (`Qwen35TextEncoder.from_folder`,
     its model dtype, on the device or the host when offloading) on the node's first rank
@@ -242,11 +255,12 @@ class WorldImageEncoder:
     ``[status, h, w]``, then ``[h, w, 48]`` float32). Only `IMAGE_RANK` needs the image's
     pixels; the others check the latent size against the image's description."""
 
-    def __init__(self, encoder: Any, size: int, device: torch.device, offload: bool):
+    def __init__(self, encoder: WanImageEncoder | None, size: int, device: torch.device,
+                 offload: bool):
         self.encoder, self.size, self.device = encoder, size, device
         self.placed = Placed(encoder.vae, device, offload) if encoder is not None else None
 
-    def encode(self, image: Any) -> torch.Tensor:
+    def encode(self, image: ReferenceImage) -> torch.Tensor:
         """``image`` (a `headmoe.pipeline.image.ReferenceImage`) -> its normalised latent
         ``[h, w, 48]`` float32 on the CPU, the same on every rank."""
         def produce() -> tuple[list[int], torch.Tensor]:
@@ -265,7 +279,7 @@ class WorldImageEncoder:
         return latent
 
 
-def world_image_encoder(ctx: ParallelContext, release: Any) -> WorldImageEncoder | None:
+def world_image_encoder(ctx: ParallelContext, release: Release) -> WorldImageEncoder | None:
     """The release's image encoder (``release.image_encoder``; None when it has none),
     loaded on `IMAGE_RANK` only (on the device, or the host with ``offload``)."""
     if release.image_encoder is None:
@@ -292,7 +306,8 @@ class OutputVideoDecoder:
 
     latent_channels = video_latents.LATENT_CHANNELS
 
-    def __init__(self, kind: str, decoder: Any = None, placed: Placed | None = None):
+    def __init__(self, kind: str, decoder: TurboVideoDecoder | WanVideoDecoder | None = None,
+                 placed: Placed | None = None):
         self.kind, self.decoder, self.placed = kind, decoder, placed
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
@@ -306,7 +321,7 @@ class OutputVideoDecoder:
             return self.decoder.decode(latents, num_frames)
 
 
-def output_video_decoder(ctx: ParallelContext, release: Any) -> OutputVideoDecoder:
+def output_video_decoder(ctx: ParallelContext, release: Release) -> OutputVideoDecoder:
     """The chosen video decoder (`Release.video_decoder`), loaded on the output rank only."""
     kind = release.video_decoder
     if not is_output_rank(ctx):
@@ -334,7 +349,9 @@ class OutputAudioDecoder:
     sample_rate = audio_vae.OUTPUT_SAMPLE_RATE
     tokens_per_second = audio_vae.LATENT_FPS
 
-    def __init__(self, config: Any, decoder: Any = None, placed: Placed | None = None):
+    def __init__(self, config: audio_vae.OobleckConfig,
+                 decoder: audio_vae.OobleckAudioDecoder | None = None,
+                 placed: Placed | None = None):
         self.config, self.decoder, self.placed = config, decoder, placed
         self.latent_channels, self.channels = config.latent_dim, config.out_channels
 
@@ -350,7 +367,7 @@ class OutputAudioDecoder:
             return self.decoder.decode(latents, num_samples)
 
 
-def output_audio_decoder(ctx: ParallelContext, release: Any) -> OutputAudioDecoder:
+def output_audio_decoder(ctx: ParallelContext, release: Release) -> OutputAudioDecoder:
     """The Oobleck decoder (fp32) on the output rank; its configuration everywhere."""
     config, _ = audio_vae.folder_config(release.audio_decoder)
     if not is_output_rank(ctx):

@@ -12,6 +12,7 @@ from typing import Any
 from headmoe.config import ParallelConfig, check_positive_int, check_positive_number, is_int
 from headmoe.pipeline.job import GenerateJob
 from headmoe.pipeline.request import DTYPES, GenerateRequest
+from headmoe.release.components import magi2_components
 
 
 @dataclass(frozen=True)
@@ -92,4 +93,5 @@ class ServeSpec:
             refiner=refiner,
             offload_layers=self.offload_layers,
             resident_layers=self.resident_layers,
+            components=magi2_components,
         )
