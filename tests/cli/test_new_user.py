@@ -66,6 +66,7 @@ def test_version_and_python_m():
     (["generate", "--prompt", "x", "--negative-promt", "y", "--sed", "3"],
      "(did you mean --negative-prompt / --seed?)"),
     (["serv"], "(did you mean serve?)"),
+    (["generate", "--promt", "x"], "(did you mean --prompt?)"),
     (["plan", "--bogus"], None),
 ])
 def test_unknown_flag_suggests_the_close_one(argv, hint, capsys):

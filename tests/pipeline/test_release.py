@@ -224,12 +224,15 @@ def test_config_mismatch_names_the_configuration_and_tensors(copy, tmp_path, cap
 def test_release_as_published_is_read_as_magi2_preview(copy, tmp_path, capsys, monkeypatch):
     """The published folder has no preview/config.json (issue 22 point 1): it means the
     magi2-preview configuration, so the tiny weights are refused before any rank starts,
-    naming the configuration and the first mismatch (the layer count, checked against the
-    index before any skeleton is built)."""
+    naming the configuration, the layer count (checked against the index before a skeleton
+    of an unbounded size is built) and the first mismatched tensors."""
     (copy / "preview" / "config.json").unlink()
     err = _refused(copy, tmp_path, capsys, monkeypatch)
     assert "holds 6 transformer layers (block.layers.0..5) but --model config " \
-        "'magi2-preview' has num_layers=40" in err, err
+        "'magi2-preview' has num_layers=40; " in err, err
+    assert "mis-shaped tensors: pre_adapter.video_embedder.weight expected [12288, 48], " \
+        "found [1536, 48]" in err, err
+    assert err.count("\n") <= 1 and len(err) < 2000, err
 
 
 def test_release_as_published_runs_with_model_config(folder, copy, tmp_path):

@@ -178,6 +178,8 @@ def test_killed_supervisor_takes_its_ranks_and_port_with_it(tmp_path, tiny_cache
     port = int(srv.url.rsplit(":", 1)[1])
     ranks = srv.worker_pids()
     assert len(ranks) == 2
+    said = srv.err.decode()  # start-up is not silent (point 16)
+    assert "starting 2 rank(s)" in said and "loading the model on 2 rank(s)" in said, said
     with srv.client() as client:  # a long job in progress: the orphans must not finish it
         job = client.post("/v1/videos", json={**REQUEST, "num_inference_steps": 500}).json()
         wait_for(client, job["id"], lambda j: j["steps_completed"] >= 1)

@@ -31,14 +31,14 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _known(parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
-    """(every flag of ``parser`` and its subcommands, the subcommand names)."""
-    flags, commands = list(parser._option_string_actions), []
+def _known(parser: argparse.ArgumentParser) -> tuple[dict[str, argparse.Action], list[str]]:
+    """(every flag of ``parser`` and its subcommands -> its action, the subcommand names)."""
+    flags, commands = dict(parser._option_string_actions), []
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             commands = list(action.choices)
             for sub in action.choices.values():
-                flags += list(sub._option_string_actions)
+                flags.update(sub._option_string_actions)
     return flags, commands
 
 
@@ -53,7 +53,7 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
         known = flags
     else:
         return ""
-    bare = {k.lstrip("-"): k for k in known}  # "--" alone would make anything look close
+    bare = {k.lstrip("-"): k for k in list(known)}  # "--" alone would make anything look close
     hits = [bare[h] for w in words
             for h in difflib.get_close_matches(w.lstrip("-"), list(bare), n=1, cutoff=0.75)]
     return f" (did you mean {' / '.join(dict.fromkeys(hits))}?)" if hits else ""
@@ -78,12 +78,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """An unknown ``--flag`` is refused first (with "did you mean"), before argparse can
+    report a missing required flag instead: ``--promt x`` names ``--prompt``."""
+    flags, _ = _known(parser)
+    unknown, value_next = [], False
+    for token in argv:
+        if value_next:  # the value of the flag before it, whatever it looks like
+            value_next = False
+            continue
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if not name.startswith("--") or any(c.isspace() for c in token):
+            continue
+        actions = [a for f, a in flags.items() if f.startswith(name)]
+        if not actions:
+            unknown.append(token)
+        value_next = "=" not in token and any(a.nargs != 0 for a in actions)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code (0 on success). Failures end in one
     ``headmoe: error: ...`` line (`headmoe.cli.errors`)."""
     from headmoe.cli.errors import run_guarded
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _refuse_unknown_flags(parser, sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
     from headmoe import check_torch
 
     def run() -> int:

@@ -123,7 +123,23 @@ def _check_layer_count(config: Magi2Config, path: str, headers: dict) -> None:
     if config.num_layers != count:
         raise ValueError(f"checkpoint {path!r} holds {count} transformer layers "
                          f"({LAYER_PREFIX}0..{count - 1}) but model config {config.name!r} has "
-                         f"num_layers={config.num_layers}; use the config of this checkpoint")
+                         f"num_layers={config.num_layers}{_first_mismatches(config, headers)}; "
+                         "use the config of this checkpoint")
+
+
+#: the largest config whose tensors a layer-count refusal also compares (a meta skeleton)
+DETAIL_MAX_LAYERS = 256
+
+
+def _first_mismatches(config: Magi2Config, headers: dict) -> str:
+    """``"; N mis-shaped tensors: ..."`` for the tensors both the headers and `config` name,
+    so a refusal shows which tensors differ; empty for a config too large to build."""
+    if config.num_layers > DETAIL_MAX_LAYERS:
+        return ""
+    bad = [f"{name} expected {list(shape)}, found {list(headers[name][1])}"
+           for name, (shape, _) in checkpoint_spec(config).items()
+           if name in headers and tuple(headers[name][1]) != shape]
+    return "; " + listing("mis-shaped tensors", bad) if bad else ""
 
 
 def _strip_prefix(path: str, headers: dict) -> tuple[str, dict]:
