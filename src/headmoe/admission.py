@@ -102,6 +102,9 @@ class Deployment:
     """The `Magi2RefinerConfig` of the release's refiner/ (None: no refiner stage here)."""
     offload: bool = False
     """``--offload``: the idle stage's weights live on the host (refiner memory)."""
+    resident_refiner: bool = False
+    """The refiner's weights stay on the device for every request (a server that loads
+    ``refiner/`` at start), so a preview-only request counts them too."""
 
     @property
     def recipe(self) -> Recipe:
@@ -363,6 +366,9 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
                       "noise_device='cpu'")
     est = estimate_memory(dep.model_config, shape, dep.parallel, req.torch_dtype,
                           (req.num_frames, req.height, req.width), samples, stream=dep.stream)
+    refiner = refiner_stage(given)
+    if refiner is None:
+        est = _with_resident_refiner(est, dep, req)
     limit = dep.budget.limit
     if limit is not None and est.total > limit:
         raise Refusal("height,width,num_frames", req.height,
@@ -370,10 +376,21 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
                       f"num_frames={req.num_frames} need an estimated {est.describe()}, more "
                       f"than the {limit / GIB:.2f} GiB limit ({dep.budget.source}); use a "
                       "smaller request, more ranks, or a larger --max-memory-gib")
-    refiner = refiner_stage(given)
     if refiner is not None:
         _check_refiner(given, dep, refiner, req, shape, est)
     return Admitted(req, sources, notes, shape, est, dep.recipe.name, dict(given), refiner)
+
+
+def _with_resident_refiner(est: MemoryEstimate, dep: Deployment,
+                           req: GenerateRequest) -> MemoryEstimate:
+    """``est`` plus the refiner's weights when ``dep`` keeps them on the device for every
+    request (`Deployment.resident_refiner`, not offloaded)."""
+    if not dep.resident_refiner or dep.refiner_config is None or dep.offload:
+        return est
+    from headmoe.models.refiner import refiner_weight_bytes
+
+    extra = refiner_weight_bytes(dep.refiner_config, req.torch_dtype)
+    return MemoryEstimate(est.weights + extra, est.activations, est.workspace, est.decode)
 
 
 def _check_refiner(given: Mapping[str, Any], dep: Deployment, stage: Any,

@@ -16,6 +16,7 @@ SIGTERM (or Ctrl-C) drains: no new jobs, the current one finishes or is cancelle
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import socket
@@ -134,7 +135,9 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
     try:
         job, world, dep = build(gen)
         if job.release is not None and job.release.refiner is not None:
-            admit(SMALLEST_REFINED, dep)  # it loads at start: both stages' weights must fit
+            # the refiner loads at start and stays: every request counts its weights
+            dep = dataclasses.replace(dep, resident_refiner=True)
+            admit(SMALLEST_REFINED, dep)  # both stages' weights must fit
     except Refusal as exc:  # the smallest request: the model alone does not fit
         raise ValueError("the weights alone do not fit: "
                          + flagify(exc.message, assignments_only=True)) from None
