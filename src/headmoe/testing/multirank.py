@@ -16,6 +16,7 @@ not, after killing them.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import tempfile
 import time
@@ -79,7 +80,9 @@ def _worker(
             # every rank's mesh is complete before any rank may fail and close its pairs
             dist.barrier()
         out = fn(rank, world_size, *args, **kwargs)
-        results.put(("ok", rank, out))
+        # By value: torch's queue pickler would pass tensor storage as file descriptors that
+        # the parent fetches from this process later, which fails once this rank has exited.
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put(("err", rank, traceback.format_exc()))
     finally:
@@ -154,7 +157,7 @@ def _collect(results: Any, procs: list, timeout: float) -> tuple[dict[int, Any],
                     failures[rank] = f"process exited with code {p.exitcode} without a result"
             continue
         if status == "ok":
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)  # our own spawned rank's bytes
         else:
             failures[rank] = payload
     return outputs, failures
