@@ -225,29 +225,45 @@ def load_checkpoint(
     path = os.fspath(path)
     cfg = model.config
     headers, report = check_checkpoint(cfg, path, model.dtype)
-    local = model.state_dict()
     shards = {m.shard for m in model.modules() if isinstance(m, MultiHeadMoE)}
     assert len(shards) <= 1, shards  # every MoE layer of a rank holds the same heads
     shard = shards.pop() if shards else None
+
+    def read(f: Any, name: str) -> torch.Tensor:
+        stored = report.prefix + name
+        if MOE_MARKER in name:
+            return read_moe_rows(f, stored, cfg.moe_num_heads, cfg.moe_num_experts,
+                                 shard.ep_size, shard.ep_rank)
+        return f.get_tensor(stored)
+
+    load_in_batches(model, headers, read, max_batch_bytes, skip,
+                    last=lambda name: "router.expert_bias" in name)
+    return report
+
+
+def load_in_batches(
+    model: torch.nn.Module, headers: dict[str, tuple[str, tuple[int, ...], str]],
+    read: Callable[[Any, str], torch.Tensor], max_batch_bytes: int,
+    skip: Callable[[str], bool] | None = None, last: Callable[[str], bool] | None = None,
+) -> None:
+    """Copy every tensor of `model` (but those `skip` names) from its file in `headers`
+    (checked names -> (file, shape, dtype)): ``read(safe_open handle, name)`` reads it, it
+    is cast to the parameter's dtype and copied in batches of about `max_batch_bytes`; the
+    names `last` picks are copied after all others, in one batch."""
+    local = model.state_dict()
     by_file: dict[str, list[str]] = {}
     for name in local:
         if skip is None or not skip(name):
             by_file.setdefault(headers[name][0], []).append(name)
     batch: dict[str, torch.Tensor] = {}
-    biases: dict[str, torch.Tensor] = {}
+    deferred: dict[str, torch.Tensor] = {}
     held = 0
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
-                stored = report.prefix + name
-                if MOE_MARKER in name:
-                    tensor = read_moe_rows(f, stored, cfg.moe_num_heads, cfg.moe_num_experts,
-                                           shard.ep_size, shard.ep_rank)
-                else:
-                    tensor = f.get_tensor(stored)
-                tensor = tensor.to(local[name].dtype)
-                if "router.expert_bias" in name:
-                    biases[name] = tensor
+                tensor = read(f, name).to(local[name].dtype)
+                if last is not None and last(name):
+                    deferred[name] = tensor
                     continue
                 batch[name] = tensor
                 held += tensor.numel() * tensor.element_size()
@@ -255,8 +271,7 @@ def load_checkpoint(
                     flush_batch(model, batch)
                     held = 0
     flush_batch(model, batch)
-    flush_batch(model, biases)
-    return report
+    flush_batch(model, deferred)
 
 
 # ---------------------------------------------------------------------- streamed layers

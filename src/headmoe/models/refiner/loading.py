@@ -16,13 +16,12 @@ import os
 from collections.abc import Callable
 
 import torch
-from safetensors import safe_open
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.magi2.loading import (
     LoadReport,
     check_headers,
-    flush_batch,
+    load_in_batches,
     write_random_tensors,
 )
 from headmoe.models.refiner.config import Magi2RefinerConfig
@@ -78,23 +77,8 @@ def load_refiner(
     to its parameter's dtype and copied in batches of about `max_batch_bytes`. Names for
     which `skip(name)` is true are neither read nor loaded (the streamed layers)."""
     headers, report = check_refiner_checkpoint(model.config, path, model.dtype)
-    local = model.state_dict()
-    by_file: dict[str, list[str]] = {}
-    for name in local:
-        if skip is None or not skip(name):
-            by_file.setdefault(headers[name][0], []).append(name)
-    batch: dict[str, torch.Tensor] = {}
-    held = 0
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in names:
-                tensor = f.get_tensor(report.prefix + name).to(local[name].dtype)
-                batch[name] = tensor
-                held += tensor.numel() * tensor.element_size()
-                if held >= max_batch_bytes:
-                    flush_batch(model, batch)
-                    held = 0
-    flush_batch(model, batch)
+    load_in_batches(model, headers, lambda f, name: f.get_tensor(report.prefix + name),
+                    max_batch_bytes, skip)
     return report
 
 
