@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import threading
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -66,6 +67,7 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
     pages = {} if spec.api_key is None else {"docs_url": None, "redoc_url": None,
                                               "openapi_url": None}
     app = FastAPI(title="headmoe serve", version="1", **pages)
+    app.state.image_slots = images.ImageSlots()
 
     @app.exception_handler(_Refused)
     async def _refused(request: Request, exc: _Refused) -> JSONResponse:
@@ -135,9 +137,28 @@ async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, An
     if spec.release is None or spec.release.image_encoder is None:
         raise RequestError(f"{param}: this server's model has no image encoder (a release "
                            "folder's vae/Wan2.2_VAE.pth)", param)
-    image = await run_in_threadpool(images.prepare_request_image, data, req.height, req.width,
-                                    param)
-    return admitted, image
+    return admitted, await _decode(request, spec, data, req, param)
+
+
+async def _decode(request: Request, spec: ServeSpec, data: bytes, req: Any, param: str
+                  ) -> Any:
+    """The request's image, decoded in a child process (`images.prepare_request_image`)
+    holding one of the app's `images.ImageSlots`; the child is killed when the client goes
+    away."""
+    slots: images.ImageSlots = request.app.state.image_slots
+    slots.take(param)
+    cancelled = threading.Event()
+    try:
+        task = asyncio.ensure_future(run_in_threadpool(
+            images.prepare_request_image, data, req.height, req.width, param, cancelled))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                cancelled.set()
+        return task.result()
+    finally:
+        cancelled.set()
+        slots.free()
 
 
 async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
@@ -146,7 +167,7 @@ async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
         job = store.submit(admitted.request, admitted.describe(), image, admitted.refiner)
     except RequestError as exc:
         store.reject(str(exc.status))
-        raise _Refused(error(exc.status, exc.message, exc.param)) from None
+        raise _Refused(error(exc.status, exc.message, exc.param, exc.headers)) from None
     except QueueFull as exc:
         store.reject("429")
         raise _Refused(error(429, str(exc))) from None
