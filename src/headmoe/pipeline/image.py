@@ -153,7 +153,10 @@ def _unidentified(data: bytes, what: str) -> ImageError:
 
 
 def _check_header(img: PILImage, what: str) -> None:
-    w, h = img.size
+    _check_size(*img.size, what)
+
+
+def _check_size(w: int, h: int, what: str) -> None:
     if w < 1 or h < 1:
         raise ImageError(f"{what} has size {w}x{h}; an image needs at least 1x1 pixels")
     if w * h > MAX_IMAGE_PIXELS:
@@ -172,11 +175,31 @@ def png_chunks(data: bytes, limit: int) -> int:
     return count
 
 
+def webp_size(data: bytes) -> tuple[int, int] | None:
+    """The canvas ``(width, height)`` a WebP file's first chunk declares (VP8X, VP8L or
+    VP8), or None. Read here because Pillow's WebP reader allocates the canvas on open."""
+    kind, body = data[12:16], data[20:30]
+    if kind == b"VP8X" and len(body) >= 10:
+        return 1 + int.from_bytes(body[4:7], "little"), 1 + int.from_bytes(body[7:10], "little")
+    if kind == b"VP8L" and len(body) >= 5 and body[0] == 0x2F:
+        bits = int.from_bytes(body[1:5], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if kind == b"VP8 " and len(body) >= 10 and body[3:6] == b"\x9d\x01\x2a":
+        return (int.from_bytes(body[6:8], "little") & 0x3FFF,
+                int.from_bytes(body[8:10], "little") & 0x3FFF)
+    return None
+
+
 def check_structure(data: bytes, what: str) -> None:
-    """Refuse, before decoding, a JPEG of more than `MAX_JPEG_SCANS` scans (its SOS markers;
-    each scan is one more pass over the whole image) or a PNG of more than
-    `MAX_PNG_CHUNKS` chunks."""
+    """Refuse, before decoding (before Pillow opens the file), a JPEG of more than
+    `MAX_JPEG_SCANS` scans (its SOS markers; each scan is one more pass over the whole
+    image), a PNG of more than `MAX_PNG_CHUNKS` chunks, or a WebP whose declared canvas is
+    past `MAX_IMAGE_PIXELS` or `MAX_DECODE_BYTES`."""
     kind = sniff(data)
+    if kind == "WEBP" and (size := webp_size(data)) is not None:
+        _check_size(*size, what)
+        if decode_bytes(*size) > MAX_DECODE_BYTES:
+            raise _over_budget(size, size, what)
     if kind == "JPEG" and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
         raise ImageError(f"{what} is a JPEG of {scans} scans, more than the "
                          f"{MAX_JPEG_SCANS} accepted (refused before decoding)")
@@ -202,9 +225,13 @@ def _check_decode_budget(img: PILImage, what: str, long_side: int | None) -> Non
         img.draft("RGB", target_size(w, h, long_side))
         if decode_bytes(*img.size) <= MAX_DECODE_BYTES:
             return
-    raise ImageError(f"{what} is {w}x{h}: decoding it needs about "
-                     f"{decode_bytes(*img.size) >> 20} MiB, more than the "
-                     f"{MAX_DECODE_BYTES >> 20} MiB accepted (refused before decoding)")
+    raise _over_budget((w, h), img.size, what)
+
+
+def _over_budget(size: tuple[int, int], decoded: tuple[int, int], what: str) -> ImageError:
+    return ImageError(f"{what} is {size[0]}x{size[1]}: decoding it needs about "
+                      f"{decode_bytes(*decoded) >> 20} MiB, more than the "
+                      f"{MAX_DECODE_BYTES >> 20} MiB accepted (refused before decoding)")
 
 
 def check_bytes(data: Any, what: str) -> None:
