@@ -68,27 +68,77 @@ def _closed_by_server(sock: socket.socket, within: float) -> bool:
         return True
 
 
+def _reply(sock: socket.socket, within: float) -> bytes:
+    """What the server sends on ``sock`` until it closes it (or ``within`` passes)."""
+    sock.settimeout(within)
+    got = b""
+    try:
+        while chunk := sock.recv(4096):
+            got += chunk
+    except (TimeoutError, OSError):
+        pass
+    return got
+
+
+def _is_429_json(reply: bytes) -> bool:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return (head.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in head.lower()
+            and b'"type": "rate_limit_error"' in body and b'"code": 429' in body)
+
+
+def _connect(host: str, port: int, source: str = "127.0.0.1") -> socket.socket:
+    return socket.create_connection((host, port), source_address=(source, 0))
+
+
 def test_half_sent_requests_cannot_exhaust_descriptors(leader):
     host, port = leader.sock.getsockname()[:2]
     before = _open_fds()
+    held = http_mod.CLIENT_SHARE + http_mod.LIMITED_PER_CLIENT
     extra = 40
     clients = []
-    for _ in range(http_mod.MAX_CONNECTIONS + extra):
-        c = socket.create_connection((host, port))
+    for _ in range(held + extra):
+        c = _connect(host, port)
         c.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Le")  # never finished
         clients.append(c)
     time.sleep(0.5)
-    # connections beyond the cap are closed at once: the server holds at most the cap
+    # past its share and the limited tier a client's connections are refused at once: the
+    # server holds at most the share and the limited ones
     server_side = _open_fds() - before - len(clients)
-    assert server_side <= http_mod.MAX_CONNECTIONS + 2, server_side
-    refused = sum(_closed_by_server(c, 0.2) for c in clients[-extra:])
-    assert refused == extra
+    assert server_side <= held + 2, server_side
+    assert all(_is_429_json(_reply(c, 1.0)) for c in clients[-extra:])
     # the others lose their connection once the head deadline passes
-    assert all(_closed_by_server(c, 5.0) for c in clients[:http_mod.MAX_CONNECTIONS])
+    assert all(_closed_by_server(c, 5.0) for c in clients[:held])
     for c in clients:
         c.close()
     with httpx.Client(base_url=_url(leader)) as client:  # and the server still answers
         assert client.get("/health").status_code == 503  # "loading": no model here
+        metrics = client.get("/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'headmoe_connections_refused_total{reason="refused"}' in metrics, metrics
+
+
+def test_full_server_still_answers_health_and_gives_429_json(leader, monkeypatch):
+    """Four addresses fill the server's cap with idle connections: a ninth client gets
+    /health and /metrics, and the documented 429 JSON for anything else, counted."""
+    monkeypatch.setattr(http_mod, "HEADER_TIMEOUT_S", 10.0)
+    monkeypatch.setattr(http_mod, "BUSY_HEADER_TIMEOUT_S", 5.0)
+    host, port = leader.sock.getsockname()[:2]
+    share, before = http_mod.CLIENT_SHARE, dict(http_mod.REFUSED)
+    hogs = [_connect(host, port, f"127.0.0.{2 + i // share}")
+            for i in range(http_mod.MAX_CONNECTIONS)]
+    time.sleep(0.3)
+    with httpx.Client(base_url=_url(leader), timeout=5) as client:
+        start = time.monotonic()
+        assert client.get("/health").status_code == 503  # answered ("loading")
+        assert time.monotonic() - start < 1
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert client.get("/metrics", headers=auth).status_code == 200
+        r = client.post("/v1/videos", json=REQUEST, headers=auth)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert "the server's cap" in r.json()["error"]["message"]
+    for c in hogs:
+        c.close()
+    assert sum(http_mod.REFUSED.values()) > sum(before.values())
 
 
 def test_slow_body_gets_408_in_the_error_shape(leader):

@@ -34,7 +34,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 
-from headmoe.serve import images
+from headmoe.serve import http, images
 from headmoe.serve.http import BODY_TIMEOUT_S
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import Draining, Job, JobStore, QueueFull
@@ -42,18 +42,11 @@ from headmoe.serve.validate import RequestError, admit_body, parse_body
 
 #: the largest request body read (bytes)
 MAX_BODY = 1 << 20
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          408: "invalid_request_error",
-          409: "conflict_error", 410: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
-
-
 def error(status: int, message: str, param: str | None = None,
           headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI-style error response."""
-    body = {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param,
-                      "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(http.error_body(status, message, param), status_code=status,
+                        headers=headers)
 
 
 class _Refused(Exception):
@@ -226,7 +219,8 @@ def _add_video_routes(api: APIRouter, store: JobStore, spec: ServeSpec) -> None:
 
     @api.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(store.metrics_text(),
+        text = "\n".join([store.metrics_text().rstrip("\n"), *http.metrics_lines()]) + "\n"
+        return PlainTextResponse(text,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
