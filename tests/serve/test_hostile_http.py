@@ -300,3 +300,123 @@ def test_serving_doc_states_the_code_limits_and_defaults():
             assert want is False, flag
         elif want is not None:
             assert stated == f"{want:g}" if isinstance(want, float) else stated == str(want), flag
+
+
+# ------------------------------------------ bounded load on a real server (issue 32 1-3)
+ATTACK_S = 6.0
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(ln for ln in f if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def _attack_images(url: str, until: float, statuses: list) -> None:
+    """Upload images that cost the decoder (a 4000 x 3000 PNG cut short, decoded before
+    its end is found; an 8192 x 8192 WebP of 38 bytes; a JPEG of 5000 scans) until
+    ``until``; the statuses (and Retry-After) seen go in ``statuses``."""
+    import io
+
+    from PIL import Image
+
+    from tests.pipeline.test_image import WEBP_8K, many_scans_jpeg
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4000, 3000), (30, 90, 160)).save(buf, "PNG")
+    files = [buf.getvalue()[:-2000], WEBP_8K, many_scans_jpeg(5000)]
+    form = {k: str(v) for k, v in REQUEST.items()}
+    with httpx.Client(base_url=url, timeout=30) as c:
+        i = 0
+        while time.monotonic() < until:
+            r = c.post("/v1/videos", data=form,
+                       files={"input_reference": ("x", files[i % len(files)], "image/png")})
+            statuses.append((r.status_code, r.headers.get("retry-after")))
+            i += 1
+
+
+def _attack_connections(host: str, port: int, until: float) -> None:
+    """From 127.0.0.2: keep 80 connections open with half-sent heads, re-opening each one
+    the server closes (or answers), until ``until``."""
+    socks: list[socket.socket] = []
+    while time.monotonic() < until:
+        alive = []
+        for s in socks:
+            s.setblocking(False)
+            try:
+                gone = bool(s.recv(4096)) or True  # answered (429) or closed
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            (s.close() if gone else alive.append(s))
+        socks = alive
+        while len(socks) < 80:
+            try:
+                s = _connect(host, port, "127.0.0.2")
+                s.sendall(b"GET /v1/videos HTTP/1.1\r\nHost: x\r\n")
+                socks.append(s)
+            except OSError:
+                break
+        time.sleep(0.2)
+    for s in socks:
+        s.close()
+
+
+def test_attacks_keep_health_downloads_and_rss_bounded(tmp_path, tiny_cache):
+    """Image floods and connection floods for `ATTACK_S`: /health answers within 1 s every
+    time, a finished video downloads, rank 0's RSS grows by less than 150 MiB, and the
+    image work past `MAX_IMAGE_JOBS` gets 503 with Retry-After."""
+    import threading
+
+    from headmoe.serve import images
+
+    srv = Server(tmp_path, tiny_cache)
+    try:
+        with srv.client() as c:
+            job = c.post("/v1/videos", json=REQUEST).json()
+            done = wait_for(c, job["id"], lambda j: j["status"] == "completed")
+        rss0, peak = _rss_mib(srv.proc.pid), 0.0
+        host, port = srv.url.rsplit("/", 1)[1].split(":")
+        until = time.monotonic() + ATTACK_S
+        statuses: list = []
+        fds0, fds = len(os.listdir(f"/proc/{srv.proc.pid}/fd")), 0
+        attackers = [threading.Thread(target=_attack_images, args=(srv.url, until, statuses))
+                     for _ in range(2 * images.MAX_IMAGE_JOBS + 2)]
+        attackers.append(threading.Thread(target=_attack_connections,
+                                          args=(host, int(port), until)))
+        for t in attackers:
+            t.start()
+        slowest, downloaded = 0.0, False
+        with httpx.Client(base_url=srv.url, timeout=5) as probe:
+            while time.monotonic() < until:
+                start = time.monotonic()
+                # a new connection each time (an open one would hide a full server)
+                assert probe.get("/health", headers={"Connection": "close"}).status_code == 200
+                slowest = max(slowest, time.monotonic() - start)
+                if not downloaded and time.monotonic() > until - ATTACK_S / 2:
+                    r = probe.get(f"/v1/videos/{job['id']}/content")
+                    assert r.status_code == 200, r.text
+                    mp4 = (srv.output_dir / f"{job['id']}.mp4").read_bytes()
+                    assert r.content == mp4 and r.headers["x-video-sha256"] == \
+                        done["video_sha256"]
+                    downloaded = True
+                peak = max(peak, _rss_mib(srv.proc.pid))
+                fds = max(fds, len(os.listdir(f"/proc/{srv.proc.pid}/fd")))
+                time.sleep(0.2)
+            metrics = probe.get("/metrics").text
+        for t in attackers:
+            t.join(timeout=60)
+        print(f"rss {rss0:.0f} -> peak {peak:.0f} MiB; slowest /health {slowest:.3f} s; "
+              f"statuses {sorted(set(statuses))}; fds {fds0} -> peak {fds}; "
+              f"uploads {len(statuses)}")
+        assert downloaded and slowest < 1.0
+        assert peak - rss0 < 150, (rss0, peak)
+        assert {s for s, _ in statuses} <= {422, 503}, statuses
+        assert (503, str(images.IMAGE_RETRY_AFTER_S)) in statuses
+        assert 'headmoe_requests_rejected_total{code="503"}' in metrics
+        # descriptors stay under the hard bound (a snapshot also sees refused connections
+        # between their accept and their close)
+        assert fds - fds0 < http_mod.MAX_CONNECTIONS + http_mod.LIMITED_CONNECTIONS, fds
+    finally:
+        srv.stop()
