@@ -283,13 +283,36 @@ def test_serving_doc_states_the_code_limits_and_defaults():
     limits = _table(text, "limit")
     assert limits == {
         "open connections": str(http_mod.MAX_CONNECTIONS),
+        "connections per client address": str(http_mod.CLIENT_SHARE),
+        "limited connections": str(http_mod.LIMITED_CONNECTIONS),
+        "past the limited ones": "0",
         "request head (line and headers)": f"{http_mod.HEADER_TIMEOUT_S:g} s",
+        f"request head past {http_mod.HIGH_WATER} connections":
+            f"{http_mod.BUSY_HEADER_TIMEOUT_S:g} s",
         "request body": f"{app_mod.BODY_TIMEOUT_S:g} s",
         "request body size": f"{app_mod.MAX_BODY >> 20} MiB",
         "log lines of uvicorn and asyncio": f"{http_mod.LOG_BURST} per "
                                             f"{http_mod.LOG_WINDOW_S:g} s",
     }
     assert f"408 body not in within {app_mod.BODY_TIMEOUT_S:g} s" in text
+    assert f"{http_mod.LIMITED_PER_CLIENT} per client address" in text
+    assert f"`Retry-After: {http_mod.RETRY_AFTER_S}`" in text
+    from headmoe.pipeline import image as im
+    from headmoe.pipeline import image_worker as iw
+    from headmoe.serve import images
+
+    assert _table(text, "image limit") == {
+        "file size": f"{im.MAX_IMAGE_BYTES >> 20} MiB",
+        "declared pixels": str(im.MAX_IMAGE_PIXELS),
+        "decode memory": f"{im.MAX_DECODE_BYTES >> 20} MiB",
+        "JPEG scans": str(im.MAX_JPEG_SCANS),
+        "PNG chunks": str(im.MAX_PNG_CHUNKS),
+        "decode time": f"{iw.DECODE_TIMEOUT_S:g} s",
+        "decoder memory": f"{iw.CHILD_MEMORY_BYTES >> 20} MiB",
+        "images decoded at once": str(images.MAX_IMAGE_JOBS),
+    }
+    assert f"`Retry-After: {images.IMAGE_RETRY_AFTER_S}`" in text
+    assert im.decode_bytes(1, 1) == 12  # "the declared size x 12 bytes"
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     defaults = {f"`{a.option_strings[0]}`": a.default for a in serve._actions if a.option_strings}
     for flag, stated in _table(text, "flag").items():
