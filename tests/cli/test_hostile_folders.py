@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,24 @@ def test_million_layer_transformer_config_refused_before_its_skeleton(copy, tmp_
                         < 1000 else pytest.fail("built a 1,000,000-layer skeleton"))
     code, out = run(copy, tmp_path)
     refused(capsys, code, out, "holds 6 transformer layers", "num_layers=1000000")
+
+
+def test_million_layer_refiner_config_refused_before_its_skeleton(copy, tmp_path, capsys,
+                                                                  monkeypatch):
+    """Issue 32 point 5: the preview's layer-count check (`read_headers`) runs for the
+    refiner too, before its skeleton; at once, with one line."""
+    import headmoe.models.refiner.loading as refiner_loading
+
+    rewrite_json(copy / release.REFINER_DIR / "config.json",
+                 lambda d: d.update(num_layers=1_000_000))
+    built = refiner_loading.refiner_spec
+    monkeypatch.setattr(refiner_loading, "refiner_spec", lambda cfg: built(cfg) if
+                        cfg.num_layers < 1000 else pytest.fail("built a 1,000,000-layer refiner"))
+    start = time.monotonic()
+    code, out = run(copy, tmp_path)
+    refused(capsys, code, out, "holds 4 transformer layers", "refiner config",
+            "num_layers=1000000")
+    assert time.monotonic() - start < 30
 
 
 def test_million_layer_text_encoder_config_refused_before_its_skeleton(copy, tmp_path, capsys,
