@@ -26,7 +26,7 @@ from headmoe.serve.http import LogBudget
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import redact_paths
 from headmoe.serve.worker import Leader, bind
-from tests.serve.server import REQUEST, Server, wait_for
+from tests.serve.server import REQUEST, Server, finished, wait_for
 
 KEY = "s3cret"
 
@@ -441,5 +441,57 @@ def test_attacks_keep_health_downloads_and_rss_bounded(tmp_path, tiny_cache):
         # descriptors stay under the hard bound (a snapshot also sees refused connections
         # between their accept and their close)
         assert fds - fds0 < http_mod.MAX_CONNECTIONS + http_mod.LIMITED_CONNECTIONS, fds
+    finally:
+        srv.stop()
+
+
+# ---------------------------- --offload-layers: a checkpoint changed under a job (issue 32 4)
+def _rewrite_streamed_tensor(shard) -> None:
+    """Overwrite the last 4 KiB of a streamed layer's tensor data in place (same size)."""
+    import json as _json
+    import struct
+
+    with open(shard, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = _json.loads(f.read(n))
+        name = max((k for k in header if k.startswith("block.layers.")),
+                   key=lambda k: header[k]["data_offsets"][1])
+        end = 8 + n + header[name]["data_offsets"][1]
+        f.seek(end - 4096)
+        f.write(b"\x7f" * 4096)
+
+
+def test_offload_job_fails_on_a_changed_checkpoint_and_the_server_lives(tmp_path):
+    """A shard rewritten in place during a streamed job fails that job with one line naming
+    the file (no video from two versions of the weights); with another shard truncated in
+    place (a mapping would raise SIGBUS) the next job fails the same way; the server
+    answers throughout."""
+    import os
+    import shutil
+
+    from headmoe.release import folder as release
+
+    rel = tmp_path / "rel"
+    shutil.copytree(release.tiny_release(tmp_path / "cache"), rel)  # copies: edited below
+    shards = sorted((rel / release.PREVIEW_DIR).glob("model-*.safetensors"))
+    srv = Server(tmp_path, tmp_path / "cache", "--model", str(rel), "--offload-layers")
+    try:
+        with srv.client() as c:
+            job = c.post("/v1/videos", json={**REQUEST, "num_inference_steps": 60}).json()
+            wait_for(c, job["id"], lambda j: j["steps_completed"] >= 1 or finished(j))
+            _rewrite_streamed_tensor(shards[-1])
+            done = wait_for(c, job["id"], finished)
+            assert done["status"] == "failed", done
+            msg = done["error"]["message"]
+            assert f"checkpoint file '{shards[-1].name}' changed" in msg, msg
+            assert "\n" not in msg and str(rel) not in msg
+            assert not (srv.output_dir / f"{job['id']}.mp4").exists()
+            assert c.get("/health").status_code == 200
+            os.truncate(shards[0], shards[0].stat().st_size // 2)
+            again = c.post("/v1/videos", json=REQUEST).json()
+            done = wait_for(c, again["id"], finished)
+            assert done["status"] == "failed", done
+            assert "changed after headmoe opened it" in done["error"]["message"], done
+            assert c.get("/health").status_code == 200 and srv.proc.poll() is None
     finally:
         srv.stop()
