@@ -46,8 +46,9 @@ HEADMOE = str(Path(sys.executable).with_name("headmoe"))
         (["--model", "nowhere.safetensors"], "--model must be 'tiny', a release folder or an existing"),
         (["--timeout", "0"], "--timeout must be at least 1 s"),
         (["--timeout", "0.001"], "--timeout must be at least 1 s (it also bounds joining the "
-                                 "ranks), got 0.001"),
+                                 "ranks) and at most 604800 s, got 0.001"),
         (["--timeout", "nan"], "--timeout must be at least 1 s"),
+        (["--timeout", "1e308"], "and at most 604800 s, got 1e+308"),  # issue 32 point 10
     ],
 )
 def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, monkeypatch):
@@ -87,6 +88,10 @@ def test_flagify_only_rewrites_field_names():
     )
     assert flagify("x for a head-style model") == "x for a head-style model"
     assert flagify("negative_prompt must be a str") == "--negative-prompt must be a str"
+    # issue 32 point 10: a word of another message is not a field
+    assert flagify("Storage size calculation overflowed") == "Storage size calculation overflowed"
+    assert flagify("bad request; size must be WxH") == "bad request; --size must be WxH"
+    assert flagify("got size=5 and height 3") == "got --size=5 and height 3"
 
 
 def test_parser_has_generate_and_required_prompt():

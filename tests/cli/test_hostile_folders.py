@@ -245,6 +245,17 @@ def test_million_layer_refiner_config_refused_before_its_skeleton(copy, tmp_path
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.parametrize("rel", [f"{release.REFINER_DIR}/config.json",
+                                 f"{release.PREVIEW_DIR}/config.json"])
+def test_deeply_nested_config_is_one_line(rel, copy, tmp_path, capsys):
+    """Issue 32 point 10: a config nested 100,000 deep is named, not a RecursionError."""
+    path = copy / rel
+    path.unlink()
+    path.write_text('{"num_layers": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    code, out = run(copy, tmp_path)
+    refused(capsys, code, out, "config.json", "nested too deeply")
+
+
 def test_million_layer_text_encoder_config_refused_before_its_skeleton(copy, tmp_path, capsys,
                                                                        monkeypatch):
     import transformers

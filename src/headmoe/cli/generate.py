@@ -40,7 +40,7 @@ from headmoe.distributed.context import set_rank_threads
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import Refusal, UserError
-from headmoe.pipeline.job import MIN_TIMEOUT_S
+from headmoe.pipeline.job import check_timeout
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
@@ -78,9 +78,15 @@ def flagify(message: str, assignments_only: bool = False) -> str:
     """Rewrite field names in a validation message as the flags that set them: every
     ``name=`` and (unless ``assignments_only``, as for admission's refusals, which always
     write ``name=value``) a leading or free-standing ``name ``."""
-    follow = "=" if assignments_only else "[= ]"
+    anywhere = r"(?:^|(?<=[\s(,'\"]))"
+    # a one-word name standing free is a field only where a clause starts: "size must be"
+    # is the field, "Storage size calculation" (a torch message) is not
+    clause = r"(?:^|(?<=[(,'\"])|(?<=[;,:] ))"
     for name, flag in FLAGS.items():
-        message = re.sub(rf"(?:^|(?<=[\s(,'\"])){name}(?={follow})", flag, message)
+        message = re.sub(rf"{anywhere}{name}(?==)", flag, message)
+        if not assignments_only:
+            free = anywhere if "_" in name else clause
+            message = re.sub(rf"{free}{name}(?= )", flag, message)
     return message
 
 
@@ -328,9 +334,7 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         check_given(given)  # every request field, before anything is written
         parallel = parallel_from_args(args)
         world = world_from_args(args, parallel)
-        if not args.timeout >= MIN_TIMEOUT_S:  # NaN too
-            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
-                             f"joining the ranks), got {args.timeout!r}")
+        check_timeout(args.timeout)
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
