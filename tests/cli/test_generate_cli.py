@@ -89,9 +89,10 @@ def test_flagify_only_rewrites_field_names():
     assert flagify("x for a head-style model") == "x for a head-style model"
     assert flagify("negative_prompt must be a str") == "--negative-prompt must be a str"
     # issue 32 point 10: a word of another message is not a field
-    assert flagify("Storage size calculation overflowed") == "Storage size calculation overflowed"
-    assert flagify("bad request; size must be WxH") == "bad request; --size must be WxH"
-    assert flagify("got size=5 and height 3") == "got --size=5 and height 3"
+    quoted = "x.ckpt: cannot be read (RuntimeError: Storage size calculation overflowed)"
+    assert flagify(quoted) == quoted
+    assert flagify("seed 5 (ValueError: size 3) and seed 4") == \
+        "--seed 5 (ValueError: size 3) and --seed 4"
 
 
 def test_parser_has_generate_and_required_prompt():
