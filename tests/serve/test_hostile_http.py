@@ -185,6 +185,64 @@ def test_content_whose_file_is_gone_is_410(leader):
     assert err["code"] == 410 and err["param"] == "id" and "gone" in err["message"]
 
 
+def test_output_folder_replaced_by_a_link_is_410_not_500(tmp_path):
+    """Issue 32 point 9: the output folder replaced by a link out of it after a job
+    completed: /content is 410 in the error shape, DELETE deletes nothing out there."""
+    import shutil
+
+    (tmp_path / "videos").mkdir()
+    leader = _leader(tmp_path / "videos", KEY)
+    store = leader.store
+    job = store.submit(GenerateRequest(prompt="x"))
+    assert store.next_job(0.1) is job
+    store.finish(job, "completed", None, {"video_sha256": "0", "audio_sha256": "0"})
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / f"{job.id}.mp4").write_bytes(b"not yours")
+    shutil.rmtree(store.output_dir, ignore_errors=True)
+    store.output_dir.symlink_to(outside)
+    with httpx.Client(base_url=_url(leader),
+                      headers={"Authorization": f"Bearer {KEY}"}) as client:
+        r = client.get(f"/v1/videos/{job.id}/content")
+        assert r.status_code == 410 and "no longer in the server's output folder" in \
+            r.json()["error"]["message"], r.text
+        assert client.delete(f"/v1/videos/{job.id}").status_code == 200
+    leader.stop_http()
+    leader.sock.close()
+    assert (outside / f"{job.id}.mp4").exists()
+
+
+def test_full_tmpdir_and_client_disconnects_give_no_traceback(leader, monkeypatch, caplog):
+    """Issue 32 point 9: a multipart upload never spools to TMPDIR (a full one cannot fail
+    it), and a client that leaves mid-body logs no traceback."""
+    import errno
+    import tempfile
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile.SpooledTemporaryFile, "rollover", full)
+    import asyncio
+
+    from headmoe.serve import images
+
+    part = b"\0" * (3 << 20)  # past Starlette's 1 MiB spool
+    request = httpx.Request("POST", "http://x/", data={"prompt": "x"},
+                            files={"input_reference": ("x.png", part, "image/png")})
+    body = request.read()
+    fields, image = asyncio.run(images.split_multipart(request.headers, body))
+    assert image == part and b'"prompt": "x"' in fields
+    host, port = leader.sock.getsockname()[:2]
+    caplog.set_level(logging.ERROR)
+    with socket.create_connection((host, port)) as c:
+        c.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
+                  KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()], \
+        [r.getMessage() for r in caplog.records]
+
+
 def test_failed_job_shows_no_server_path(leader, tmp_path):
     store = leader.store
     job = store.submit(GenerateRequest(prompt="x"))

@@ -33,6 +33,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.requests import ClientDisconnect
 
 from headmoe.serve import http, images
 from headmoe.serve.http import BODY_TIMEOUT_S
@@ -107,6 +108,9 @@ async def _read_body(request: Request, limit: int = MAX_BODY) -> bytes:
     except TimeoutError:
         raise RequestError(f"the body did not arrive within {BODY_TIMEOUT_S:g} s", None,
                            408) from None
+    except ClientDisconnect:  # nobody to answer; counted, not logged as a traceback
+        raise RequestError("the client went away before sending its body", None,
+                           400) from None
     return bytes(raw)
 
 
@@ -226,7 +230,11 @@ def _add_video_routes(api: APIRouter, store: JobStore, spec: ServeSpec) -> None:
 
 def _content(store: JobStore, job: Job) -> FileResponse | JSONResponse:
     result = job.result or {}
-    path = store.output_path(job.id)
+    try:
+        path = store.output_path(job.id)
+    except ValueError:  # the output folder was replaced by a link out of it
+        return error(410, f"video {job.id} was completed but its file is no longer in the "
+                          "server's output folder", "id")
     if not path.is_file():
         return error(410, f"video {job.id} was completed but its file is gone from the "
                           "server", "id")

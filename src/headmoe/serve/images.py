@@ -102,11 +102,19 @@ async def split_multipart(headers: Any, raw: bytes) -> tuple[bytes, bytes | None
     async def body() -> AsyncIterator[bytes]:
         yield raw
 
+    class InMemory(MultiPartParser):
+        # the body is in memory already (bounded): its file part never spools to disk, so
+        # a full TMPDIR cannot fail an upload
+        spool_max_size = MAX_IMAGE_FIELD + 1
+
     try:
-        form = await MultiPartParser(headers, body(), max_files=1, max_fields=64).parse()
+        form = await InMemory(headers, body(), max_files=1, max_fields=64).parse()
     except MultiPartException as exc:
         raise RequestError(f"the multipart body cannot be read: {exc.message}", None,
                            400) from None
+    except OSError as exc:
+        raise RequestError(f"the multipart body cannot be stored: {exc.strerror}", None,
+                           503) from None
     fields, image = {}, None
     try:
         for name, value in form.multi_items():
