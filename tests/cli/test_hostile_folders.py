@@ -295,6 +295,39 @@ def test_refiner_entries_held_to_the_folder_rule(case, copy, tmp_path, capsys, n
     refiner_refused(capsys, code, out, "needs the refiner stage", needle)
 
 
+@pytest.mark.parametrize("component", ["refiner", "vae"])
+def test_check_weights_reads_the_refiner_and_the_image_encoder(component, copy, tmp_path,
+                                                               capsys):
+    """Issue 32 point 7: --check-weights reads refiner/ and (with --image) vae/ too, and
+    names the file holding the NaN."""
+    import torch
+
+    if component == "refiner":
+        path = copy / release.REFINER_DIR / "model.safetensors"
+        tensors = load_file(path)
+        name = next(n for n, t in tensors.items() if t.is_floating_point())
+        tensors[name] = tensors[name].clone().view(-1).index_fill(0, torch.tensor([0]),
+                                                                  float("nan")).view_as(
+            tensors[name])
+        path.unlink()
+        save_file(tensors, path)
+        flags: tuple[str, ...] = ()
+    else:
+        path = copy / "vae" / "Wan2.2_VAE.pth"
+        state = torch.load(path, weights_only=True)
+        key = next(k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point())
+        state[key] = torch.full_like(state[key], float("nan"))
+        path.unlink()
+        torch.save(state, path)
+        image = tmp_path / "i.png"
+        from PIL import Image
+
+        Image.new("RGB", (40, 24), (9, 99, 199)).save(image)
+        flags = ("--image", str(image))
+    code, out = run(copy, tmp_path, "--check-weights", *flags)
+    refiner_refused(capsys, code, out, "non-finite", f"{path.parent.name}/{path.name}")
+
+
 def test_missing_refiner_config_says_the_preset_was_assumed(copy, tmp_path, capsys):
     (copy / release.REFINER_DIR / "config.json").unlink()
     code, out = run(copy, tmp_path, *REFINED)
