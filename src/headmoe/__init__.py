@@ -1,6 +1,10 @@
 """headmoe: multi-head-MoE diffusion transformers (MAGI-2 family) across many accelerators."""
 
-from typing import Any
+from headmoe.config import ParallelConfig
+from headmoe.numerics import blas_mode
+
+# before anything computes: oneMKL's thread-count-independent mode (headmoe.numerics)
+blas_mode()
 
 __all__ = ["MIN_TORCH", "ParallelConfig", "__version__", "check_torch"]
 __version__ = "0.1.0"
@@ -22,13 +26,3 @@ def check_torch(version: str | None = None) -> None:
     if have < tuple(int(p) for p in MIN_TORCH.split(".")):
         raise UserError(f"torch {version} is older than {MIN_TORCH}, the oldest headmoe runs "
                         f"on; install torch>={MIN_TORCH} (the README's set-up command)")
-
-
-def __getattr__(name: str) -> Any:
-    # `ParallelConfig` imports torch: loaded on first use, so that a child process that
-    # needs no torch (`headmoe.pipeline.image_worker`) starts without it
-    if name == "ParallelConfig":
-        from headmoe.config import ParallelConfig
-
-        return ParallelConfig
-    raise AttributeError(f"module 'headmoe' has no attribute {name!r}")
