@@ -272,8 +272,9 @@ def test_decoder_child_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, headmoe.pipeline.image_worker; "
-            "print('torch' in sys.modules)")
+    from headmoe.pipeline import image_worker as iw
+
+    code = iw._CHILD.replace("sys.exit(main(sys.argv[1:]))", "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.strip() == "False", out.stderr

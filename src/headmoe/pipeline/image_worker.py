@@ -1,8 +1,8 @@
 """Untrusted images are decoded in a child process, bounded in memory and in time.
 
-`prepare_isolated` runs `headmoe.pipeline.image.prepare_image` in a fresh
-``python -m headmoe.pipeline.image_worker`` process (numpy and Pillow only: it imports no
-torch), so that a hostile file can neither grow the caller's memory (the child's is returned
+`prepare_isolated` runs `headmoe.pipeline.image.prepare_image` in a fresh Python process
+(this module under a bare ``headmoe`` package, `_CHILD`: numpy and Pillow only, no torch,
+so it starts in a fraction of a second), so that a hostile file can neither grow the caller's memory (the child's is returned
 to the system when it exits, and its address space is capped at `CHILD_MEMORY_BYTES`) nor
 hold the caller's GIL. The child is killed after `DECODE_TIMEOUT_S` seconds, or as soon as
 ``cancelled`` is set (the HTTP client went away). The file-level checks (byte cap) run here
@@ -16,6 +16,7 @@ message}``), then the preprocessed pixels. Nothing from the child is unpickled.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -35,6 +36,13 @@ DECODE_TIMEOUT_S = 15.0
 CHILD_MEMORY_BYTES = MAX_DECODE_BYTES + (256 << 20)
 #: how often the caller checks ``cancelled`` while the child runs (seconds)
 _POLL_S = 0.1
+#: the child's program: this module, imported under a bare ``headmoe`` package, so that the
+#: package's import-time set-up (torch, oneMKL's mode: headmoe.numerics) is skipped; the
+#: child computes nothing with torch, and torch's import would cost seconds per image
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CHILD = ("import sys, types; pkg = types.ModuleType('headmoe'); "
+          f"pkg.__path__ = [{_PACKAGE!r}]; sys.modules['headmoe'] = pkg; "
+          "from headmoe.pipeline.image_worker import main; sys.exit(main(sys.argv[1:]))")
 
 
 def prepare_isolated(data: bytes, height: int, width: int, what: str = "the image",
@@ -45,8 +53,7 @@ def prepare_isolated(data: bytes, height: int, width: int, what: str = "the imag
     `DECODE_TIMEOUT_S`) or past the child's memory, or `ImageCancelled`."""
     check_bytes(data, what)
     limit = DECODE_TIMEOUT_S if timeout_s is None else timeout_s
-    cmd = [sys.executable, "-m", "headmoe.pipeline.image_worker", str(height), str(width),
-           what]
+    cmd = [sys.executable, "-c", _CHILD, str(height), str(width), what]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL)
     try:
