@@ -496,9 +496,11 @@ def test_attacks_keep_health_downloads_and_rss_bounded(tmp_path, tiny_cache):
         assert {s for s, _ in statuses} <= {422, 503}, statuses
         assert (503, str(images.IMAGE_RETRY_AFTER_S)) in statuses
         assert 'headmoe_requests_rejected_total{code="503"}' in metrics
-        # descriptors stay under the hard bound (a snapshot also sees refused connections
-        # between their accept and their close)
-        assert fds - fds0 < http_mod.MAX_CONNECTIONS + http_mod.LIMITED_CONNECTIONS, fds
+        # descriptors stay bounded: the attacker's share and limited tier (20), the image
+        # clients and their decoders' pipes, and a snapshot also catches a burst of the
+        # attacker's fresh connections between their accept and their 429-and-close (up
+        # to its 80); the held ones alone: test_half_sent_requests_cannot_exhaust_...
+        assert fds - fds0 < 2 * (http_mod.MAX_CONNECTIONS + http_mod.LIMITED_CONNECTIONS), fds
     finally:
         srv.stop()
 
