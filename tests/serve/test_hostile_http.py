@@ -116,6 +116,23 @@ def test_half_sent_requests_cannot_exhaust_descriptors(leader):
     assert 'headmoe_connections_refused_total{reason="refused"}' in metrics, metrics
 
 
+def test_busy_server_gives_idle_connections_the_short_head_deadline(leader, monkeypatch):
+    """Past `HIGH_WATER` connections a new one has `BUSY_HEADER_TIMEOUT_S` for its head, and
+    it closes the idle ones waiting longer than that (issue 32 point 3)."""
+    monkeypatch.setattr(http_mod, "HEADER_TIMEOUT_S", 6.0)
+    monkeypatch.setattr(http_mod, "BUSY_HEADER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(http_mod, "HIGH_WATER", 2)
+    host, port = leader.sock.getsockname()[:2]
+    calm = [_connect(host, port) for _ in range(2)]  # under the mark: 6 s
+    time.sleep(1.0)  # idle past the busy deadline
+    late = _connect(host, port)  # past the mark: closes the idle two, and has 0.5 s itself
+    start = time.monotonic()
+    assert _closed_by_server(late, 3.0) and time.monotonic() - start < 3.0
+    assert all(_closed_by_server(c, 0.5) for c in calm)
+    for c in (*calm, late):
+        c.close()
+
+
 def test_full_server_still_answers_health_and_gives_429_json(leader, monkeypatch):
     """Four addresses fill the server's cap with idle connections: a ninth client gets
     /health and /metrics, and the documented 429 JSON for anything else, counted."""
