@@ -100,6 +100,8 @@ class Deployment:
     """`headmoe.planner.memory.StreamSettings` with ``--offload-layers``, else None."""
     refiner_config: Any = None
     """The `Magi2RefinerConfig` of the release's refiner/ (None: no refiner stage here)."""
+    refiner_problem: str = ""
+    """Why the release's refiner/ is not used (it failed its checks), for the refusal."""
     offload: bool = False
     """``--offload``: the idle stage's weights live on the host (refiner memory)."""
     resident_refiner: bool = False
@@ -403,9 +405,10 @@ def _check_refiner(given: Mapping[str, Any], dep: Deployment, stage: Any,
     field = "resolution" if "resolution" in given else next(
         k for k in REFINER_FIELDS if k in given)
     if dep.refiner_config is None:
+        why = (f": its refiner/ failed its checks: {dep.refiner_problem}" if dep.refiner_problem
+               else " (headmoe generate with a release folder that has refiner/)")
         raise Refusal(field, given[field], f"{field}={given[field]!r} needs the refiner "
-                      f"stage, which {dep.describe or 'this deployment'} does not run "
-                      "(headmoe generate with a release folder that has refiner/)")
+                      f"stage, which {dep.describe or 'this deployment'} does not run{why}")
     validate_parallel(dep.refiner_config, dep.parallel)
     thw = stage.latent_thw(shape.video_latent[0])
     est = stage_estimate(dep.refiner_config, stage, thw, max(shape.text_tokens), dep.parallel,

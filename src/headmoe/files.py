@@ -131,6 +131,8 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
             return json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{what} {path!r} is not a readable JSON file: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{what} {path!r} is nested too deeply to be read") from None
 
 
 def index_map(path: str | os.PathLike) -> dict[str, str]:

@@ -46,8 +46,9 @@ HEADMOE = str(Path(sys.executable).with_name("headmoe"))
         (["--model", "nowhere.safetensors"], "--model must be 'tiny', a release folder or an existing"),
         (["--timeout", "0"], "--timeout must be at least 1 s"),
         (["--timeout", "0.001"], "--timeout must be at least 1 s (it also bounds joining the "
-                                 "ranks), got 0.001"),
+                                 "ranks) and at most 604800 s, got 0.001"),
         (["--timeout", "nan"], "--timeout must be at least 1 s"),
+        (["--timeout", "1e308"], "and at most 604800 s, got 1e+308"),  # issue 32 point 10
     ],
 )
 def test_invalid_flags_fail_before_any_rank(flags, expected, tmp_path, capsys, monkeypatch):
@@ -87,6 +88,11 @@ def test_flagify_only_rewrites_field_names():
     )
     assert flagify("x for a head-style model") == "x for a head-style model"
     assert flagify("negative_prompt must be a str") == "--negative-prompt must be a str"
+    # issue 32 point 10: a word of another message is not a field
+    quoted = "x.ckpt: cannot be read (RuntimeError: Storage size calculation overflowed)"
+    assert flagify(quoted) == quoted
+    assert flagify("seed 5 (ValueError: size 3) and seed 4") == \
+        "--seed 5 (ValueError: size 3) and --seed 4"
 
 
 def test_parser_has_generate_and_required_prompt():

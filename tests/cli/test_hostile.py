@@ -549,3 +549,17 @@ def test_ctrl_c_stops_a_multirank_run_within_seconds(tmp_path, cache):
     assert code == 130 and elapsed < 15, (code, elapsed, text[-3000:])
     assert text.strip().splitlines()[-1] == "headmoe: interrupted" and "Traceback" not in text
     assert not out.exists()
+
+
+# ------------------------------------------- generate --image: bounded decoding (issue 32)
+@pytest.mark.parametrize("kind", ["scans", "webp-8k"])
+def test_generate_image_bombs_refused_before_decoding(kind, tmp_path, cache, capsys):
+    from tests.pipeline.test_image import WEBP_8K, many_scans_jpeg
+
+    path = tmp_path / "bomb.img"
+    path.write_bytes(many_scans_jpeg(5000) if kind == "scans" else WEBP_8K)
+    start = time.monotonic()
+    code, out = generate(tmp_path, cache, "--image", str(path))
+    assert time.monotonic() - start < 30  # the check, not a decode (the tiny load included)
+    pattern = "5000 scans, more than the 100" if kind == "scans" else "needs about 768 MiB"
+    assert_refused(capsys, code, out, pattern)

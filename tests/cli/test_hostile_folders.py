@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,129 @@ def test_million_layer_transformer_config_refused_before_its_skeleton(copy, tmp_
                         < 1000 else pytest.fail("built a 1,000,000-layer skeleton"))
     code, out = run(copy, tmp_path)
     refused(capsys, code, out, "holds 6 transformer layers", "num_layers=1000000")
+
+
+REFINED = ("--refiner-height", "64", "--refiner-width", "96", "--refiner-steps", "1")
+
+
+def refiner_refused(capsys, code: int, out: Path, *needles: str) -> None:
+    """`refused`, past the copy's note on the entries it does not use (printed before)."""
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("headmoe: warning: entries")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("headmoe: error: "), err
+    assert "Traceback" not in err and not out.exists(), err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+def refiner_unused(capsys, code: int, launched: list, *needles: str) -> str:
+    """A run without the refiner stage went on, with one warning naming the problem."""
+    err = capsys.readouterr().err
+    assert code == 0 and launched, err
+    warnings = [ln for ln in err.splitlines() if "refiner/ is not used" in ln]
+    assert len(warnings) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in warnings[0], err
+    return warnings[0]
+
+
+def test_million_layer_refiner_config_refused_before_its_skeleton(copy, tmp_path, capsys,
+                                                                  monkeypatch, no_launch):
+    """Issue 32 points 5 and 6: the preview's layer-count check (`read_headers`) runs for
+    the refiner too, before its skeleton, at once; a run that does not use the refiner goes
+    on with one warning, a run of the refiner stage is refused with one line."""
+    import headmoe.models.refiner.loading as refiner_loading
+
+    rewrite_json(copy / release.REFINER_DIR / "config.json",
+                 lambda d: d.update(num_layers=1_000_000))
+    built = refiner_loading.refiner_spec
+    monkeypatch.setattr(refiner_loading, "refiner_spec", lambda cfg: built(cfg) if
+                        cfg.num_layers < 1000 else pytest.fail("built a 1,000,000-layer refiner"))
+    start = time.monotonic()
+    code, _ = run(copy, tmp_path)
+    refiner_unused(capsys, code, no_launch, "holds 4 transformer layers", "refiner config",
+                   "num_layers=1000000")
+    code, out = run(copy, tmp_path, *REFINED)
+    refiner_refused(capsys, code, out, "--refiner-height=64 needs the refiner stage",
+                    "failed its checks", "holds 4 transformer layers")
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("case", ["fifo", "dev-zero", "folder", "linked-out"])
+def test_refiner_entries_held_to_the_folder_rule(case, copy, tmp_path, capsys, no_launch):
+    """Issue 32 point 8: refiner/config.json that is a FIFO, /dev/zero or a folder, or a
+    refiner/ linked out of the release, is refused like preview/'s entries (never the
+    preset in its place): the run without the refiner warns, the refiner stage is refused."""
+    cfg = copy / release.REFINER_DIR / "config.json"
+    if case == "linked-out":
+        outside = tmp_path / "elsewhere"
+        shutil.copytree(copy / release.REFINER_DIR, outside)
+        shutil.rmtree(copy / release.REFINER_DIR)
+        (copy / release.REFINER_DIR).symlink_to(outside)
+        needle = "outside the folder"
+    else:
+        cfg.unlink()
+        {"fifo": lambda: os.mkfifo(cfg), "dev-zero": lambda: cfg.symlink_to("/dev/zero"),
+         "folder": lambda: cfg.mkdir()}[case]()
+        needle = "a link to '/dev/zero'" if case == "dev-zero" else "not a regular file"
+    refiner_unused(capsys, run(copy, tmp_path)[0], no_launch, needle)
+    code, out = run(copy, tmp_path, *REFINED)
+    refiner_refused(capsys, code, out, "needs the refiner stage", needle)
+
+
+@pytest.mark.parametrize("component", ["refiner", "vae"])
+def test_check_weights_reads_the_refiner_and_the_image_encoder(component, copy, tmp_path,
+                                                               capsys):
+    """Issue 32 point 7: --check-weights reads refiner/ and (with --image) vae/ too, and
+    names the file holding the NaN."""
+    import torch
+
+    if component == "refiner":
+        path = copy / release.REFINER_DIR / "model.safetensors"
+        tensors = load_file(path)
+        name = next(n for n, t in tensors.items() if t.is_floating_point())
+        tensors[name] = tensors[name].clone().view(-1).index_fill(0, torch.tensor([0]),
+                                                                  float("nan")).view_as(
+            tensors[name])
+        path.unlink()
+        save_file(tensors, path)
+        flags: tuple[str, ...] = ()
+    else:
+        path = copy / "vae" / "Wan2.2_VAE.pth"
+        state = torch.load(path, weights_only=True)
+        key = next(k for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point())
+        state[key] = torch.full_like(state[key], float("nan"))
+        path.unlink()
+        torch.save(state, path)
+        image = tmp_path / "i.png"
+        from PIL import Image
+
+        Image.new("RGB", (40, 24), (9, 99, 199)).save(image)
+        flags = ("--image", str(image))
+    code, out = run(copy, tmp_path, "--check-weights", *flags)
+    refiner_refused(capsys, code, out, "non-finite", f"{path.parent.name}/{path.name}")
+
+
+def test_missing_refiner_config_says_the_preset_was_assumed(copy, tmp_path, capsys):
+    (copy / release.REFINER_DIR / "config.json").unlink()
+    code, out = run(copy, tmp_path, *REFINED)
+    refiner_refused(capsys, code, out, "refiner/config.json is absent: the magi2-refiner "
+                                       "preset is assumed")
+
+
+@pytest.mark.parametrize("rel", [f"{release.REFINER_DIR}/config.json",
+                                 f"{release.PREVIEW_DIR}/config.json"])
+def test_deeply_nested_config_is_one_line(rel, copy, tmp_path, capsys):
+    """Issue 32 point 10: a config nested 100,000 deep is named, not a RecursionError."""
+    path = copy / rel
+    path.unlink()
+    path.write_text('{"num_layers": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    if rel.startswith(release.REFINER_DIR):  # only the refiner stage needs it (point 6)
+        code, out = run(copy, tmp_path, *REFINED)
+        refiner_refused(capsys, code, out, "config.json", "nested too deeply")
+    else:
+        code, out = run(copy, tmp_path)
+        refused(capsys, code, out, "config.json", "nested too deeply")
 
 
 def test_million_layer_text_encoder_config_refused_before_its_skeleton(copy, tmp_path, capsys,

@@ -201,3 +201,41 @@ def test_refiner_layers_stream_through_the_same_streamer(tmp_path):
         assert sum(model.context.counters.streamed_bytes[-(cfg.num_layers - 1):]) == moved
     finally:
         streamer.close()
+
+
+# ------------------------------- a checkpoint changed under a streamed run (issue 32 point 4)
+def _one_tensor_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "shard.safetensors"
+    save_file({"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)}, path)
+    return path
+
+
+@pytest.mark.parametrize("change", ["truncated", "rewritten", "rewritten-same-mtime",
+                                    "replaced"])
+def test_changed_checkpoint_file_is_named_not_read(tmp_path, change):
+    import os
+
+    from headmoe.models.streaming import CheckpointChanged, MappedCheckpoint, TensorRead
+
+    path = _one_tensor_file(tmp_path)
+    source = MappedCheckpoint({"w": str(path)})
+    dst = torch.empty(64, 1024)
+    source.read_into(TensorRead("w", "w"), dst)
+    assert torch.equal(dst.view(-1), torch.arange(64 * 1024, dtype=torch.float32))
+    st = path.stat()
+    if change == "truncated":
+        os.truncate(path, st.st_size // 2)  # a mapping would raise SIGBUS on the next read
+    elif change == "replaced":
+        path.rename(tmp_path / "old")
+        path.write_bytes((tmp_path / "old").read_bytes())
+    else:
+        with open(path, "r+b") as f:  # the same size, in place
+            f.seek(st.st_size - 4096)
+            f.write(b"\x7f" * 4096)
+        if change == "rewritten-same-mtime":
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # the change time still moves
+    with pytest.raises(CheckpointChanged, match=f"checkpoint file '{path}' (changed|cannot)"):
+        source.read_into(TensorRead("w", "w"), dst)
+    source.close()

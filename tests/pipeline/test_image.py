@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import struct
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -193,3 +195,86 @@ def test_modes_handled_as_the_release(kind, tmp_path):
     assert np.array_equal(np.asarray(ours), np.asarray(ref))
     if kind == "exif-rotated-jpeg":
         assert ours.size == (24, 40)  # orientation 6: rotated a quarter turn
+
+
+# ------------------------------------------- bounded decoding (issue 32 points 1 and 2)
+#: a 38-byte lossless WebP of 8192 x 8192 pixels (one colour; Pillow's encoder, method 0)
+WEBP_8K = bytes.fromhex("524946461e000000574542505650384c110000002fffdfff070750e42ad4a3ff"
+                        "8188e87f0000")
+
+
+def many_scans_jpeg(scans: int) -> bytes:
+    """A progressive JPEG whose last scan is repeated up to ``scans`` scans (each one more
+    pass over the whole image for the decoder)."""
+    data = _encode(_gradient(size=(64, 48)), "JPEG", progressive=True)
+    last = data.rindex(b"\xff\xda")
+    extra = scans - data.count(b"\xff\xda")
+    return data[:-2] + data[last:-2] * extra + b"\xff\xd9"
+
+
+def many_chunks_png(chunks: int) -> bytes:
+    """A valid PNG with ``chunks`` empty private ancillary chunks before its image data."""
+    data = _encode(_gradient(), "PNG")
+    empty = struct.pack(">I", 0) + b"zzZz" + struct.pack(">I", zlib.crc32(b"zzZz"))
+    at = 8 + 25  # after the signature and IHDR
+    return data[:at] + empty * chunks + data[at:]
+
+
+def test_declared_size_past_the_decode_budget_refused_before_decoding():
+    with pytest.raises(im.ImageError, match=r"8192x8192: decoding it needs about 768 MiB, "
+                                            r"more than the 256 MiB.*before decoding"):
+        im.prepare_image(WEBP_8K, 64, 96)
+    with pytest.raises(im.ImageError, match=r"6000x6000.*more than the 256 MiB"):
+        im.prepare_image(_png_header(6000, 6000), 64, 96)
+
+
+def test_large_jpeg_decodes_at_reduced_size():
+    big = _encode(Image.new("RGB", (5000, 5000), (20, 120, 220)), "JPEG")
+    assert im.decode_bytes(5000, 5000) > im.MAX_DECODE_BYTES
+    ref = im.prepare_image(big, 64, 96)
+    assert ref.source_size == (625, 625)  # 1/8: still covers the 96-pixel target
+    assert (ref.width, ref.height) == (96, 96)
+
+
+def test_scan_and_chunk_counts_refused_before_decoding():
+    start = time.monotonic()
+    with pytest.raises(im.ImageError, match=f"JPEG of 5000 scans, more than the "
+                                            f"{im.MAX_JPEG_SCANS}"):
+        im.prepare_image(many_scans_jpeg(5000), 64, 96)
+    with pytest.raises(im.ImageError, match=f"PNG of more than {im.MAX_PNG_CHUNKS} chunks"):
+        im.prepare_image(many_chunks_png(im.MAX_PNG_CHUNKS + 1), 64, 96)
+    assert time.monotonic() - start < 2
+    # under the limits both decode
+    assert im.prepare_image(many_scans_jpeg(im.MAX_JPEG_SCANS), 64, 96).width == 96
+    assert im.prepare_image(many_chunks_png(100), 64, 96).width == 96
+
+
+def test_isolated_decode_matches_and_is_bounded_in_time():
+    from headmoe.pipeline import image_worker as iw
+
+    data = _png_bytes(IMAGES[0])
+    ref = iw.prepare_isolated(data, 64, 96)
+    assert ref == im.prepare_image(data, 64, 96) and ref.pixels == im.prepare_image(
+        data, 64, 96).pixels
+    with pytest.raises(im.ImageError, match="took more than 0.001 s to decode"):
+        iw.prepare_isolated(data, 64, 96, timeout_s=0.001)
+    gone = threading.Event()
+    gone.set()
+    with pytest.raises(iw.ImageCancelled, match="cancelled"):
+        iw.prepare_isolated(data, 64, 96, cancelled=gone)
+    with pytest.raises(im.ImageError, match="decoding it needs about 768 MiB"):
+        iw.prepare_isolated(WEBP_8K, 64, 96)
+    with pytest.raises(im.ImageTooLarge):  # checked before any child starts
+        iw.prepare_isolated(b"\0" * (im.MAX_IMAGE_BYTES + 1), 64, 96)
+
+
+def test_decoder_child_imports_no_torch():
+    import subprocess
+    import sys
+
+    from headmoe.pipeline import image_worker as iw
+
+    code = iw._CHILD.replace("sys.exit(main(sys.argv[1:]))", "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

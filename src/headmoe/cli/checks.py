@@ -177,24 +177,34 @@ def _tensors(obj: Any, name: str = "") -> Any:
 
 
 def component_files(release: Any) -> list[str]:
-    """The weight files of the release's text encoder, chosen video decoder and audio
-    decoder (each checked to lie in its folder)."""
+    """The weight files of the release's text encoder, chosen video decoder, audio decoder
+    and image encoder (vae/, when the run uses it; each checked to lie in its folder)."""
     from headmoe.release import audio_vae, text_encoder, turbo_vae, wan_vae
 
     video = turbo_vae.CHECKPOINT_FILE if release.video_decoder == "turbo" else \
         wan_vae.CHECKPOINT_FILE
     text = sorted(set(text_encoder.weight_files(release.text_encoder).values()))
-    return [*text, os.path.join(release.video_decoder_path, video),
-            os.path.join(release.audio_decoder, audio_vae.WEIGHTS_FILE)]
+    files = [*text, os.path.join(release.video_decoder_path, video),
+             os.path.join(release.audio_decoder, audio_vae.WEIGHTS_FILE)]
+    if release.image_encoder is not None:
+        vae = os.path.join(release.image_encoder, wan_vae.CHECKPOINT_FILE)
+        files += [] if vae in files else [vae]
+    return files
 
 
 def scan_components(release: Any) -> None:
-    """``--check-weights`` on a release folder: every tensor of the text encoder and the
-    video and audio decoders (read safely, `headmoe.release.weights.read_tensors`);
-    NaN/Inf refused."""
+    """``--check-weights`` on a release folder: every tensor of the text encoder, the video
+    and audio decoders and the image encoder (read safely,
+    `headmoe.release.weights.read_tensors`), then of the refiner (`scan_weights`);
+    NaN/Inf refused, naming the file."""
     from headmoe.release.weights import read_tensors
 
     for file in component_files(release):
         bad = [f"{name} ({kind})" for name, t in _tensors(read_tensors(file))
                if (kind := _nonfinite(t))]
         _refuse_nonfinite(f"component checkpoint {file!r}", bad)
+    if release.refiner is not None:  # the refiner's checkpoint, as the transformer's
+        from headmoe.models.refiner import check_refiner_checkpoint
+
+        headers, report = check_refiner_checkpoint(release.refiner_config, release.refiner)
+        scan_weights(release.refiner, headers, report.prefix)

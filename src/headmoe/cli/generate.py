@@ -40,7 +40,7 @@ from headmoe.distributed.context import set_rank_threads
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import Refusal, UserError
-from headmoe.pipeline.job import MIN_TIMEOUT_S
+from headmoe.pipeline.job import check_timeout
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES, GenerateRequest
@@ -74,14 +74,22 @@ FLAGS: dict[str, str] = {
 }
 
 
+#: another library's error quoted in a message, "(RuntimeError: Storage size ...)": its words
+#: are not our fields
+_QUOTED_ERROR = re.compile(r"(\([A-Z]\w*(?:Error|Exception|Warning|Fault)\b[^)]*\))")
+
+
 def flagify(message: str, assignments_only: bool = False) -> str:
     """Rewrite field names in a validation message as the flags that set them: every
     ``name=`` and (unless ``assignments_only``, as for admission's refusals, which always
-    write ``name=value``) a leading or free-standing ``name ``."""
+    write ``name=value``) a leading or free-standing ``name ``; not inside another
+    library's error quoted in parentheses (`_QUOTED_ERROR`)."""
     follow = "=" if assignments_only else "[= ]"
-    for name, flag in FLAGS.items():
-        message = re.sub(rf"(?:^|(?<=[\s(,'\"])){name}(?={follow})", flag, message)
-    return message
+    parts = _QUOTED_ERROR.split(message)
+    for i in range(0, len(parts), 2):  # odd parts: another library's error, kept as is
+        for name, flag in FLAGS.items():
+            parts[i] = re.sub(rf"(?:^|(?<=[\s(,'\"])){name}(?={follow})", flag, parts[i])
+    return "".join(parts)
 
 
 def register(subparsers: Any) -> None:
@@ -328,9 +336,7 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         check_given(given)  # every request field, before anything is written
         parallel = parallel_from_args(args)
         world = world_from_args(args, parallel)
-        if not args.timeout >= MIN_TIMEOUT_S:  # NaN too
-            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
-                             f"joining the ranks), got {args.timeout!r}")
+        check_timeout(args.timeout)
         output = Path(args.output)
         if output.suffix.lower() != ".mp4":
             raise ValueError(f"output must end in .mp4, got {args.output!r}")
@@ -343,6 +349,9 @@ def build(args: argparse.Namespace) -> tuple[Any, int, Deployment]:
         raise kind(flagify(str(exc))) from None
     for note in admitted.notes:
         print(f"headmoe: note: {note}", file=sys.stderr)
+    if release is not None and release.refiner_problem is not None:  # admitted: not used
+        print(f"headmoe: warning: refiner/ is not used (a run of the refiner stage is "
+              f"refused): {release.refiner_problem}", file=sys.stderr)
     image = _image(args, admitted.request, release)  # its messages name --image themselves
     job = GenerateJob(
         admitted.request,
@@ -417,7 +426,8 @@ def _checked_model(args: argparse.Namespace, given: dict[str, Any], parallel: Pa
         release = _release(args, parallel)  # checks every header
         model_config, checkpoint = release.model_config, release.transformer
         dep = dataclasses.replace(deployment(args, model_config, parallel, world, release),
-                                  refiner_config=release.refiner_config, offload=args.offload)
+                                  refiner_config=release.refiner_config, offload=args.offload,
+                                  refiner_problem=release.refiner_problem or "")
     else:
         release = None
         for name in ("video_decoder", "offload"):
@@ -467,7 +477,7 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     else:
         found = rel.find_release(args.model, video, args.offload, image, args.model_config)
         validate_parallel(found.model_config, parallel)
-    rel.check_release(found)  # headers only, before any rank starts
+    found = rel.check_release(found)  # headers only, before any rank starts
     unused = rel.unused_entries(found)
     if unused and args.model != "tiny":  # the embedded folder has the release's, by design
         print(f"headmoe: warning: entries headmoe does not use (nor does the reference), "

@@ -1,6 +1,6 @@
 """Layer streaming (`--offload-layers`, issue 20): a model's layers hold no weights of their
 own; at most `slots` layers' weights exist at a time, each read from the checkpoint's
-memory-mapped safetensors files into a slot buffer just before the layer runs and released
+safetensors files (read with ``pread``, never mapped) into a slot buffer just before the layer runs and released
 after it. Output bytes are those of the resident model (the slot holds the same values, cast
 the same way; docs/guide.md "Fewer GPUs").
 
@@ -13,9 +13,9 @@ them in `present(layer)` (the refiner).
 
 Data path of one streamed layer on one rank:
 
-    safetensors file --mmap: the page cache holds one copy per node, shared by every rank
-    that maps it--> this rank's rows, in chunks of `CHUNK_BYTES` (each chunk's mapping is
-    dropped after its copy, so the mapped pages never add up in the rank's RSS)
+    safetensors file --pread from the descriptor opened once (its identity checked before
+    and after: `MappedCheckpoint`); the page cache holds one copy per node, shared by every
+    rank--> this rank's rows, in chunks of `CHUNK_BYTES` through one chunk buffer
     --copy, cast to the parameter dtype--> host slot (pinned memory on CUDA)
     --CUDA only: copy stream, non_blocking, then an event--> device slot
     the layer's parameters are views of the slot while it runs; then placeholders again
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import struct
 import threading
@@ -46,6 +45,7 @@ import torch
 from torch import nn
 
 from headmoe.config import is_int
+from headmoe.errors import RuntimeFault
 
 #: layers' weights on the device at once by default (the layer running and the next one)
 DEFAULT_SLOTS = 2
@@ -165,9 +165,23 @@ def read_header(path: str) -> dict[str, StoredTensor]:
     return out
 
 
+class CheckpointChanged(RuntimeFault):
+    """A checkpoint file changed (size, modification time, inode) while a run read it."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class MappedCheckpoint:
-    """The safetensors files of a checkpoint, memory-mapped read-only (private mapping,
-    never written: the pages are the page cache's, shared by every process of the node).
+    """The safetensors files of a checkpoint, each opened once and read with ``pread``
+    (through the page cache, which every process of the node shares; no mapping, so a file
+    truncated under a run cannot raise SIGBUS).
+
+    Each file's identity (device, inode, size, modification and change times) is recorded
+    when it is opened here, with its header; every read checks it before and after, both
+    on the open descriptor and on the path, and raises `CheckpointChanged` naming the file
+    if anything differs, so a run never goes on with weights from two versions of a file.
 
     `files` maps stored names to their file. `read_into` copies a `TensorRead`'s rows into a
     destination tensor. `read_bytes` counts the bytes read and `read_ranges[key]` the lowest
@@ -176,12 +190,18 @@ class MappedCheckpoint:
 
     def __init__(self, files: dict[str, str]):
         self._entries: dict[str, StoredTensor] = {}
-        for file in sorted(set(files.values())):
-            header = read_header(file)
-            self._entries.update({k: header[k] for k, f in files.items() if f == file
-                                  and k in header})
-        self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
+        try:
+            for file in sorted(set(files.values())):
+                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fds[file] = (fd, _identity(os.fstat(fd)))
+                header = read_header(file)
+                self._entries.update({k: header[k] for k, f in files.items() if f == file
+                                      and k in header})
+        except BaseException:
+            self.close()
+            raise
         self.read_bytes = 0
         self.read_ranges: dict[str, tuple[int, int]] = {}
 
@@ -191,17 +211,25 @@ class MappedCheckpoint:
                              "files")
         return self._entries[key]
 
-    def _map(self, file: str) -> mmap.mmap:
-        with self._lock:
-            if file not in self._maps:
-                with open(file, "rb") as f:
-                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            return self._maps[file]
+    def _check(self, file: str) -> int:
+        """The descriptor of ``file``, after checking that neither it nor the path changed."""
+        fd, known = self._fds[file]
+        try:
+            now = [_identity(os.fstat(fd)), _identity(os.stat(file))]
+        except OSError as e:
+            raise CheckpointChanged(f"checkpoint file {file!r} cannot be read any more "
+                                    f"({e.strerror}); the run stopped") from None
+        if any(n != known for n in now):
+            raise CheckpointChanged(
+                f"checkpoint file {file!r} changed after headmoe opened it to stream its "
+                "layers (size, time or inode differ); the run stopped so that no output mixes "
+                "two versions of the weights: restart headmoe with the checkpoint unchanged")
+        return fd
 
     def read_into(self, read: TensorRead, dst: torch.Tensor) -> None:
         """Copy the stored rows of `read` into `dst` (a contiguous CPU tensor of the local
         shape, any float dtype: values are cast as `Tensor.to` casts), then zero the rows
-        after them. Only the bytes of those rows are mapped and read."""
+        after them. Only the bytes of those rows are read."""
         st = self.stored(read.key)
         start, stop = read.rows if read.rows is not None else (0, st.shape[0] if st.shape else 1)
         row_bytes = (st.end - st.begin) // max(st.shape[0], 1) if st.shape else st.end - st.begin
@@ -210,16 +238,19 @@ class MappedCheckpoint:
             raise ValueError(f"{read.key}: rows {start}..{stop} do not fit the stored "
                              f"{list(st.shape)} or the local {list(dst.shape)}")
         flat = dst.view(-1)
-        mm = self._map(st.file)
         item = st.dtype.itemsize
         step = max(CHUNK_BYTES // item, 1) * item
+        fd = self._check(st.file)
+        buf = torch.empty(min(step, hi - lo), dtype=torch.uint8)
         for off in range(lo, hi, step):
             n = min(step, hi - off)
-            src = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=st.begin + off)
-            flat[(off - lo) // item : (off - lo + n) // item].copy_(src.view(st.dtype))
-            del src
-            page = (st.begin + off) // mmap.PAGESIZE * mmap.PAGESIZE
-            mm.madvise(mmap.MADV_DONTNEED, page, st.begin + off + n - page)
+            got = os.preadv(fd, [buf[:n].numpy()], st.begin + off)
+            if got != n:
+                self._check(st.file)  # names the change; else the file is short
+                raise CheckpointChanged(f"checkpoint file {st.file!r} ended early reading "
+                                        f"{read.key}; the run stopped")
+            flat[(off - lo) // item : (off - lo + n) // item].copy_(buf[:n].view(st.dtype))
+        self._check(st.file)  # a write during the copy shows in the times
         flat[(hi - lo) // item :].zero_()
         with self._lock:
             self.read_bytes += hi - lo
@@ -227,14 +258,11 @@ class MappedCheckpoint:
             self.read_ranges[read.key] = (min(old[0], lo), max(old[1], hi))
 
     def close(self) -> None:
-        """Unmap the files (mappings still referenced by a tensor stay until it dies)."""
+        """Close the files."""
         with self._lock:
-            for mm in self._maps.values():
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
-            self._maps.clear()
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def layer_index(name: str) -> int | None:

@@ -34,6 +34,12 @@ _HINT = ("check the checkpoint with --check-weights, or rerun with --debug to fi
 #: after a decoder: the latents were finite, so the decoder's weights are the cause it sees
 DECODER_HINT = ("check the decoders' weights with --check-weights (it reads every tensor of "
                 "the decoders)")
+#: in the refiner stage (its input, the preview's latent, was finite)
+REFINER_HINT = ("check the refiner's weights (refiner/) with --check-weights (it reads every "
+                "tensor of refiner/)")
+#: out of the image encoder (its input, the preprocessed image, is finite by construction)
+IMAGE_ENCODER_HINT = ("check the image encoder's weights (vae/) with --check-weights (it reads "
+                      "every tensor of vae/)")
 
 
 def _bad(x: torch.Tensor) -> str | None:

@@ -40,15 +40,23 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 if TYPE_CHECKING:
+    import torch
     from PIL.Image import Image as PILImage
 
 #: the largest image file accepted (bytes)
 MAX_IMAGE_BYTES = 32 << 20
 #: the largest image accepted (width x height from the header, before decoding)
 MAX_IMAGE_PIXELS = 8192 * 8192
+#: the most bytes a decode may hold: the decoded image in its own mode plus its RGB copy,
+#: estimated from the header before decoding (a JPEG past it is decoded at reduced size,
+#: Pillow's draft mode, when that brings it under; anything else is refused)
+MAX_DECODE_BYTES = 256 << 20
+#: scans of a JPEG at most (SOS markers; a progressive JPEG has about 10), before decoding
+MAX_JPEG_SCANS = 100
+#: chunks of a PNG at most (a 32 MiB file in 8 KiB IDAT chunks has 4,096), before decoding
+MAX_PNG_CHUNKS = 10_000
 #: the file formats accepted (Pillow's names)
 FORMATS = ("PNG", "JPEG", "WEBP")
 #: both sides of the VAE input are floored to a multiple of this (2 x the VAE stride 16)
@@ -104,6 +112,8 @@ class ReferenceImage:
 
     def pixels_uint8(self) -> torch.Tensor:
         """``[height, width, 3]`` uint8 (a copy)."""
+        import torch
+
         if self.pixels is None:
             raise RuntimeError("this rank holds the image's description only, not its pixels")
         arr = np.frombuffer(self.pixels, dtype=np.uint8).reshape(self.height, self.width, 3)
@@ -143,7 +153,10 @@ def _unidentified(data: bytes, what: str) -> ImageError:
 
 
 def _check_header(img: PILImage, what: str) -> None:
-    w, h = img.size
+    _check_size(*img.size, what)
+
+
+def _check_size(w: int, h: int, what: str) -> None:
     if w < 1 or h < 1:
         raise ImageError(f"{what} has size {w}x{h}; an image needs at least 1x1 pixels")
     if w * h > MAX_IMAGE_PIXELS:
@@ -151,12 +164,78 @@ def _check_header(img: PILImage, what: str) -> None:
                          f"{MAX_IMAGE_PIXELS} accepted (refused before decoding)")
 
 
-def open_image(data: bytes, what: str = "the image") -> tuple[PILImage, dict[str, Any]]:
-    """``(RGB PIL image, facts)`` of the file ``data`` after every check of the module doc;
-    facts: ``sha256``, ``bytes``, ``format``, ``mode``, ``frames``, ``source_size``.
-    Raises `ImageError` (`ImageTooLarge` over the byte cap) naming the problem."""
-    from PIL import Image, ImageOps
+def png_chunks(data: bytes, limit: int) -> int:
+    """The chunks of a PNG file, counted up to ``limit + 1`` (stops at ``IEND``)."""
+    pos, count = 8, 0
+    while pos + 8 <= len(data) and count <= limit:
+        count += 1
+        if data[pos + 4:pos + 8] == b"IEND":
+            break
+        pos += 12 + int.from_bytes(data[pos:pos + 4], "big")
+    return count
 
+
+def webp_size(data: bytes) -> tuple[int, int] | None:
+    """The canvas ``(width, height)`` a WebP file's first chunk declares (VP8X, VP8L or
+    VP8), or None. Read here because Pillow's WebP reader allocates the canvas on open."""
+    kind, body = data[12:16], data[20:30]
+    if kind == b"VP8X" and len(body) >= 10:
+        return 1 + int.from_bytes(body[4:7], "little"), 1 + int.from_bytes(body[7:10], "little")
+    if kind == b"VP8L" and len(body) >= 5 and body[0] == 0x2F:
+        bits = int.from_bytes(body[1:5], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if kind == b"VP8 " and len(body) >= 10 and body[3:6] == b"\x9d\x01\x2a":
+        return (int.from_bytes(body[6:8], "little") & 0x3FFF,
+                int.from_bytes(body[8:10], "little") & 0x3FFF)
+    return None
+
+
+def check_structure(data: bytes, what: str) -> None:
+    """Refuse, before decoding (before Pillow opens the file), a JPEG of more than
+    `MAX_JPEG_SCANS` scans (its SOS markers; each scan is one more pass over the whole
+    image), a PNG of more than `MAX_PNG_CHUNKS` chunks, or a WebP whose declared canvas is
+    past `MAX_IMAGE_PIXELS` or `MAX_DECODE_BYTES`."""
+    kind = sniff(data)
+    if kind == "WEBP" and (size := webp_size(data)) is not None:
+        _check_size(*size, what)
+        if decode_bytes(*size) > MAX_DECODE_BYTES:
+            raise _over_budget(size, size, what)
+    if kind == "JPEG" and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+        raise ImageError(f"{what} is a JPEG of {scans} scans, more than the "
+                         f"{MAX_JPEG_SCANS} accepted (refused before decoding)")
+    if kind == "PNG" and png_chunks(data, MAX_PNG_CHUNKS) > MAX_PNG_CHUNKS:
+        raise ImageError(f"{what} is a PNG of more than {MAX_PNG_CHUNKS} chunks "
+                         "(refused before decoding)")
+
+
+def decode_bytes(width: int, height: int) -> int:
+    """The bytes a decode of ``width x height`` holds at most: Pillow's 4 bytes a pixel for
+    the image, its RGB copy and an EXIF-rotated copy."""
+    return 12 * width * height
+
+
+def _check_decode_budget(img: PILImage, what: str, long_side: int | None) -> None:
+    """Refuse an image whose decode would pass `MAX_DECODE_BYTES`; a JPEG is first set to
+    decode at the smallest scale (1/2, 1/4, 1/8) that still covers the target size of
+    ``long_side``, which changes its pixels, so only an image past the budget gets it."""
+    w, h = img.size
+    if decode_bytes(w, h) <= MAX_DECODE_BYTES:
+        return
+    if img.format == "JPEG" and long_side is not None:
+        img.draft("RGB", target_size(w, h, long_side))
+        if decode_bytes(*img.size) <= MAX_DECODE_BYTES:
+            return
+    raise _over_budget((w, h), img.size, what)
+
+
+def _over_budget(size: tuple[int, int], decoded: tuple[int, int], what: str) -> ImageError:
+    return ImageError(f"{what} is {size[0]}x{size[1]}: decoding it needs about "
+                      f"{decode_bytes(*decoded) >> 20} MiB, more than the "
+                      f"{MAX_DECODE_BYTES >> 20} MiB accepted (refused before decoding)")
+
+
+def check_bytes(data: Any, what: str) -> None:
+    """The file-level checks: bytes, not empty, at most `MAX_IMAGE_BYTES` (`ImageTooLarge`)."""
     if not isinstance(data, bytes | bytearray):
         raise ImageError(f"{what} must be bytes, got {type(data).__name__}")
     if not data:
@@ -164,6 +243,18 @@ def open_image(data: bytes, what: str = "the image") -> tuple[PILImage, dict[str
     if len(data) > MAX_IMAGE_BYTES:
         raise ImageTooLarge(f"{what} has {len(data)} bytes, more than the {MAX_IMAGE_BYTES} "
                             "accepted")
+
+
+def open_image(data: bytes, what: str = "the image", long_side: int | None = None
+               ) -> tuple[PILImage, dict[str, Any]]:
+    """``(RGB PIL image, facts)`` of the file ``data`` after every check of the module doc;
+    facts: ``sha256``, ``bytes``, ``format``, ``mode``, ``frames``, ``source_size`` (of the
+    decode: a JPEG past `MAX_DECODE_BYTES` decodes at reduced size for ``long_side``).
+    Raises `ImageError` (`ImageTooLarge` over the byte cap) naming the problem."""
+    from PIL import Image, ImageOps
+
+    check_bytes(data, what)
+    check_structure(data, what)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -175,6 +266,7 @@ def open_image(data: bytes, what: str = "the image") -> tuple[PILImage, dict[str
     _check_header(img, what)
     facts = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
              "format": img.format, "mode": img.mode, "frames": int(getattr(img, "n_frames", 1))}
+    _check_decode_budget(img, what, long_side)
     try:
         img.load()  # frame 0; a truncated file raises here
         rgb = ImageOps.exif_transpose(img).convert("RGB")
@@ -227,8 +319,8 @@ def prepare_image(data: bytes, height: int, width: int, what: str = "the image"
     ratio so extreme that a side floors below 32 pixels."""
     from PIL import Image
 
-    rgb, facts = open_image(data, what)
     long_side = max(height, width)
+    rgb, facts = open_image(data, what, long_side)
     tw, th = target_size(*rgb.size, long_side)
     vw, vh = vae_size(tw, th)
     if vw < PIXEL_MULTIPLE or vh < PIXEL_MULTIPLE:
@@ -246,9 +338,12 @@ def prepare_image(data: bytes, height: int, width: int, what: str = "the image"
 
 def read_image(path: str, height: int, width: int) -> ReferenceImage:
     """`prepare_image` of the file at ``path`` (at most `MAX_IMAGE_BYTES` are read; the
-    path must be a regular file). Raises `ImageError` naming ``path``."""
+    path must be a regular file), in a child process bounded in memory and time
+    (`headmoe.pipeline.image_worker`). Raises `ImageError` naming ``path``."""
     import os
     import stat
+
+    from headmoe.pipeline.image_worker import prepare_isolated
 
     what = f"--image {path!r}"
     try:
@@ -259,4 +354,4 @@ def read_image(path: str, height: int, width: int) -> ReferenceImage:
             data = f.read(MAX_IMAGE_BYTES + 1)
     except OSError as exc:
         raise ImageError(f"{what} cannot be read: {exc.strerror or exc}") from None
-    return prepare_image(data, height, width, what)
+    return prepare_isolated(data, height, width, what)

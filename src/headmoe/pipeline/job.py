@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from headmoe.config import ParallelConfig, check_positive_number
+from headmoe.config import ParallelConfig, is_number
 from headmoe.distributed.context import ParallelContext, set_rank_threads
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
@@ -72,6 +72,16 @@ if TYPE_CHECKING:
 
 #: the shortest collective timeout (s): below it the ranks cannot even join the group
 MIN_TIMEOUT_S = 1.0
+#: the longest (s), a week: far longer ones overflow the clocks of the waits it bounds
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_timeout(value: float) -> None:
+    """The collective timeout's rule (`generate`, `serve`, `GenerateJob`): a number in
+    [`MIN_TIMEOUT_S`, `MAX_TIMEOUT_S`]; `ValueError` naming ``timeout``."""
+    if not (is_number(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):  # NaN too
+        raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
+                         f"joining the ranks) and at most {MAX_TIMEOUT_S:g} s, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -115,10 +125,7 @@ class GenerateJob:
     resident_layers: int = 0
 
     def __post_init__(self) -> None:
-        check_positive_number("timeout_s", self.timeout_s)
-        if self.timeout_s < MIN_TIMEOUT_S:
-            raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
-                             f"joining the ranks), got {self.timeout_s!r}")
+        check_timeout(self.timeout_s)
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:

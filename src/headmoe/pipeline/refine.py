@@ -28,6 +28,7 @@ from headmoe.config import check_positive_int, is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
 from headmoe.models.refiner.config import RELEASED_EVALUATION
+from headmoe.pipeline.health import REFINER_HINT, check_media
 from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
 from headmoe.release.video_latents import SPATIAL_STRIDE
 
@@ -112,6 +113,8 @@ def refine_latent(
         t0 = time.perf_counter()
         v_cond, v_uncond = predict(x)
         x = sampler.step(i, x, cfg_combine(v_cond, v_uncond, guidance))
+        check_media(f"after refiner step {i + 1}/{steps}", REFINER_HINT,
+                    **{"refined latent": x})  # the same bits on every rank
         times.append(time.perf_counter() - t0)
         if on_step is not None:
             on_step(i + 1, steps)

@@ -76,6 +76,9 @@ class Release:
     """The refiner checkpoint under ``refiner/`` (None: the folder has no refiner)."""
     refiner_config: Magi2RefinerConfig | None = None
     """Its `Magi2RefinerConfig`."""
+    refiner_problem: str | None = None
+    """Why the folder's ``refiner/`` is not used (it failed its checks; `check_release`):
+    runs without the refiner stage go on, a run that asks for it is refused with this."""
     unused: tuple[str, ...] = ()
     """Component file entries headmoe does not read (`unused_entries`; set by the caller of
     `check_release`, recorded in the sidecar)."""
@@ -185,7 +188,10 @@ def release_config(base: Path, model_config: Magi2Config | str | None = None) ->
 def find_refiner(base: Path) -> tuple[str | None, Magi2RefinerConfig | None]:
     """(checkpoint, `Magi2RefinerConfig`) of ``base/refiner/``, or (None, None) when the
     folder has no refiner checkpoint. The config is ``refiner/config.json`` when present,
-    else the `IMPLIED_REFINER_CONFIG` preset."""
+    else the `IMPLIED_REFINER_CONFIG` preset. The checkpoint and the config are held to the
+    rule of every component file (`entry_problem`: inside the folder, a regular file,
+    readable): a ``refiner/`` linked out of the folder, or a config.json that is a FIFO, a
+    device or a folder, is refused with one `ValueError`, never replaced by the preset."""
     from headmoe.models.refiner import Magi2RefinerConfig, get_refiner_config
 
     if not (base / REFINER_DIR).is_dir():
@@ -193,9 +199,17 @@ def find_refiner(base: Path) -> tuple[str | None, Magi2RefinerConfig | None]:
     checkpoint = _transformer_file(base, REFINER_DIR)
     if checkpoint is None:
         return None, None
-    cfg_file = base / REFINER_DIR / MODEL_CONFIG
-    if cfg_file.is_file():
-        return checkpoint, Magi2RefinerConfig.from_json(cfg_file)
+    cfg_rel = f"{REFINER_DIR}/{MODEL_CONFIG}"
+    given = os.path.lexists(base / cfg_rel)
+    problems = []
+    for rel in [os.path.relpath(checkpoint, base), *([cfg_rel] if given else [])]:
+        why, real = entry_problem(base, rel)
+        if why := why or _unreadable(Path(real)):
+            problems.append(f"{rel} ({why})")
+    if problems:
+        raise ValueError(f"release folder {str(base)!r}: " + ", ".join(problems))
+    if given:
+        return checkpoint, Magi2RefinerConfig.from_json(base / cfg_rel)
     return checkpoint, get_refiner_config(IMPLIED_REFINER_CONFIG)
 
 
@@ -228,7 +242,10 @@ def find_release(
             problems.append(f"{rel} ({why})")
     if problems:
         raise ValueError(f"release folder {str(base)!r}: " + ", ".join(problems))
-    refiner, refiner_config = find_refiner(base)
+    try:
+        refiner, refiner_config, refiner_problem = *find_refiner(base), None
+    except ValueError as e:  # only a run that uses the refiner needs it (check_release)
+        refiner, refiner_config, refiner_problem = None, None, " ".join(str(e).split())
     return Release(
         root=str(base),
         transformer=str(transformer),
@@ -242,6 +259,7 @@ def find_release(
             image_encoder is None and (base / vae).is_file()) else None,
         refiner=refiner,
         refiner_config=refiner_config,
+        refiner_problem=refiner_problem,
     )
 
 
@@ -262,7 +280,7 @@ def _component(name: str, fn: Any, *args: Any) -> Any:
         raise ValueError(f"{name}: cannot be read ({type(e).__name__}: {msg})") from None
 
 
-def check_release(release: Release) -> None:
+def check_release(release: Release) -> Release:
     """Check every header of ``release`` against the configs, reading no weight: the text
     encoder (`check_text_encoder`; its width must be ``text_in_channels``), the chosen video
     decoder (`check_turbo_vae` / `check_wan_vae`; 48 latent channels =
@@ -270,7 +288,9 @@ def check_release(release: Release) -> None:
     (`check_oobleck_decoder`; ``latent_dim`` = ``audio_in_channels``), after the transformer
     (`check_checkpoint`, first: a folder read with the wrong configuration is named by its
     tensors), then the refiner. Raises a one-line
-    `ValueError` naming the file or tensor."""
+    `ValueError` naming the file or tensor. A refiner that fails its checks does not fail
+    the folder: the release is returned without it, the reason in ``refiner_problem``
+    (only a run of the refiner stage is refused, with that reason)."""
     from headmoe.models.magi2 import check_checkpoint
     from headmoe.release import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
 
@@ -299,7 +319,12 @@ def check_release(release: Release) -> None:
             raise ValueError(f"release folder {str(root)!r}: {what}={value} does not match "
                              f"the transformer configuration {cfg.name!r}: {field}={want}")
     if release.refiner is not None:
-        check_refiner(release)
+        try:
+            check_refiner(release)
+        except ValueError as e:
+            return dataclasses.replace(release, refiner=None, refiner_config=None,
+                                       refiner_problem=str(e))
+    return release
 
 
 def check_refiner(release: Release) -> None:
@@ -308,10 +333,13 @@ def check_refiner(release: Release) -> None:
     from headmoe.models.refiner import check_refiner_checkpoint
 
     cfg, rcfg = release.model_config, release.refiner_config
+    implied = ("" if os.path.lexists(Path(release.root) / REFINER_DIR / MODEL_CONFIG) else
+               f" ({REFINER_DIR}/{MODEL_CONFIG} is absent: the {IMPLIED_REFINER_CONFIG} "
+               "preset is assumed)")
     for field in ("video_in_channels", "text_in_channels"):
         if getattr(rcfg, field) != getattr(cfg, field):
             raise ValueError(f"release folder {release.root!r}: {REFINER_DIR}/ {field}="
-                             f"{getattr(rcfg, field)} does not match {PREVIEW_DIR}/"
+                             f"{getattr(rcfg, field)}{implied} does not match {PREVIEW_DIR}/"
                              f"{MODEL_CONFIG} {field}={getattr(cfg, field)}")
     _component(release.refiner, check_refiner_checkpoint, rcfg, release.refiner)
 

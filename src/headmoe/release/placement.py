@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
+from headmoe.pipeline.health import IMAGE_ENCODER_HINT, check_media
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.release import audio_vae, video_latents
 
@@ -279,6 +280,7 @@ class WorldImageEncoder:
         if (h, w) != tuple(image.latent_size):
             raise RuntimeError(f"the image latent from rank {IMAGE_RANK} is {h}x{w}, expected "
                                f"{image.latent_size[0]}x{image.latent_size[1]}")
+        check_media("out of the image encoder", IMAGE_ENCODER_HINT, **{"image latent": latent})
         return latent
 
 

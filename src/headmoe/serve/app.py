@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import threading
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from starlette.requests import ClientDisconnect
 
-from headmoe.serve import images
+from headmoe.serve import http, images
 from headmoe.serve.http import BODY_TIMEOUT_S
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import Draining, Job, JobStore, QueueFull
@@ -41,18 +43,11 @@ from headmoe.serve.validate import RequestError, admit_body, parse_body
 
 #: the largest request body read (bytes)
 MAX_BODY = 1 << 20
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          408: "invalid_request_error",
-          409: "conflict_error", 410: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "unavailable_error"}
-
-
 def error(status: int, message: str, param: str | None = None,
           headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI-style error response."""
-    body = {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param,
-                      "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(http.error_body(status, message, param), status_code=status,
+                        headers=headers)
 
 
 class _Refused(Exception):
@@ -66,6 +61,7 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
     pages = {} if spec.api_key is None else {"docs_url": None, "redoc_url": None,
                                               "openapi_url": None}
     app = FastAPI(title="headmoe serve", version="1", **pages)
+    app.state.image_slots = images.ImageSlots()
 
     @app.exception_handler(_Refused)
     async def _refused(request: Request, exc: _Refused) -> JSONResponse:
@@ -112,6 +108,9 @@ async def _read_body(request: Request, limit: int = MAX_BODY) -> bytes:
     except TimeoutError:
         raise RequestError(f"the body did not arrive within {BODY_TIMEOUT_S:g} s", None,
                            408) from None
+    except ClientDisconnect:  # nobody to answer; counted, not logged as a traceback
+        raise RequestError("the client went away before sending its body", None,
+                           400) from None
     return bytes(raw)
 
 
@@ -135,9 +134,28 @@ async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, An
     if spec.release is None or spec.release.image_encoder is None:
         raise RequestError(f"{param}: this server's model has no image encoder (a release "
                            "folder's vae/Wan2.2_VAE.pth)", param)
-    image = await run_in_threadpool(images.prepare_request_image, data, req.height, req.width,
-                                    param)
-    return admitted, image
+    return admitted, await _decode(request, spec, data, req, param)
+
+
+async def _decode(request: Request, spec: ServeSpec, data: bytes, req: Any, param: str
+                  ) -> Any:
+    """The request's image, decoded in a child process (`images.prepare_request_image`)
+    holding one of the app's `images.ImageSlots`; the child is killed when the client goes
+    away."""
+    slots: images.ImageSlots = request.app.state.image_slots
+    slots.take(param)
+    cancelled = threading.Event()
+    try:
+        task = asyncio.ensure_future(run_in_threadpool(
+            images.prepare_request_image, data, req.height, req.width, param, cancelled))
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                cancelled.set()
+        return task.result()
+    finally:
+        cancelled.set()
+        slots.free()
 
 
 async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
@@ -146,7 +164,7 @@ async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
         job = store.submit(admitted.request, admitted.describe(), image, admitted.refiner)
     except RequestError as exc:
         store.reject(str(exc.status))
-        raise _Refused(error(exc.status, exc.message, exc.param)) from None
+        raise _Refused(error(exc.status, exc.message, exc.param, exc.headers)) from None
     except QueueFull as exc:
         store.reject("429")
         raise _Refused(error(429, str(exc))) from None
@@ -205,13 +223,18 @@ def _add_video_routes(api: APIRouter, store: JobStore, spec: ServeSpec) -> None:
 
     @api.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(store.metrics_text(),
+        text = "\n".join([store.metrics_text().rstrip("\n"), *http.metrics_lines()]) + "\n"
+        return PlainTextResponse(text,
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 def _content(store: JobStore, job: Job) -> FileResponse | JSONResponse:
     result = job.result or {}
-    path = store.output_path(job.id)
+    try:
+        path = store.output_path(job.id)
+    except ValueError:  # the output folder was replaced by a link out of it
+        return error(410, f"video {job.id} was completed but its file is no longer in the "
+                          "server's output folder", "id")
     if not path.is_file():
         return error(410, f"video {job.id} was completed but its file is gone from the "
                           "server", "id")

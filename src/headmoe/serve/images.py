@@ -12,8 +12,11 @@ The server never opens a path named in a request: only bytes sent in the request
 A file over `headmoe.pipeline.image.MAX_IMAGE_BYTES` is refused with 413; so is a body whose
 fields (the body less its image) exceed the JSON limit, or whose image part is too long. Every other check of `headmoe.pipeline.image` (format, header size
 before decoding, truncation, ...) gives 422 naming the field (``input_reference`` or
-``image``). The image is opened and preprocessed here, in the HTTP process, before the job
-is queued; only the preprocessed pixels travel to rank 0 (the image encoder's).
+``image``). The image is opened and preprocessed before the job is queued, in a child
+process bounded in memory and time (`headmoe.pipeline.image_worker`; killed when the client
+goes away), never in rank 0's HTTP process; only the preprocessed pixels travel to rank 0
+(the image encoder's). At most `MAX_IMAGE_JOBS` images are decoded at once: a request past
+them gets 503 with ``Retry-After: IMAGE_RETRY_AFTER_S`` (`ImageSlots`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import base64
 import binascii
 import json
 import re
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from headmoe.pipeline.image import MAX_IMAGE_BYTES, ImageError, ImageTooLarge, prepare_image
+from headmoe.pipeline.image import MAX_IMAGE_BYTES, ImageError, ImageTooLarge
+from headmoe.pipeline.image_worker import prepare_isolated
 from headmoe.serve.validate import RequestError
 
 #: the multipart part that carries the file
@@ -37,6 +42,10 @@ TEXT_FIELDS = frozenset({"prompt", "negative_prompt", "model", "sampler", "size"
                          "resolution", "dtype", "noise_device"})
 #: the base64 length of the largest image accepted (what a body may carry beyond its fields)
 MAX_IMAGE_FIELD = 4 * (MAX_IMAGE_BYTES // 3 + 1)
+#: images decoded at once (each in its own child process); more get 503
+MAX_IMAGE_JOBS = 2
+#: the ``Retry-After`` (seconds) of that 503
+IMAGE_RETRY_AFTER_S = 2
 _DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp);base64,", re.IGNORECASE)
 
 
@@ -93,11 +102,19 @@ async def split_multipart(headers: Any, raw: bytes) -> tuple[bytes, bytes | None
     async def body() -> AsyncIterator[bytes]:
         yield raw
 
+    class InMemory(MultiPartParser):
+        # the body is in memory already (bounded): its file part never spools to disk, so
+        # a full TMPDIR cannot fail an upload
+        spool_max_size = MAX_IMAGE_FIELD + 1
+
     try:
-        form = await MultiPartParser(headers, body(), max_files=1, max_fields=64).parse()
+        form = await InMemory(headers, body(), max_files=1, max_fields=64).parse()
     except MultiPartException as exc:
         raise RequestError(f"the multipart body cannot be read: {exc.message}", None,
                            400) from None
+    except OSError as exc:
+        raise RequestError(f"the multipart body cannot be stored: {exc.strerror}", None,
+                           503) from None
     fields, image = {}, None
     try:
         for name, value in form.multi_items():
@@ -118,11 +135,30 @@ async def split_multipart(headers: Any, raw: bytes) -> tuple[bytes, bytes | None
     return json.dumps(fields).encode(), image
 
 
-def prepare_request_image(data: bytes, height: int, width: int, param: str) -> Any:
-    """`prepare_image` for a request of ``height x width``; refusals as `RequestError`
+class ImageSlots:
+    """At most `MAX_IMAGE_JOBS` image decodes at once (one event loop takes and frees them,
+    so a counter is enough); `take` refuses with 503 + ``Retry-After`` past them."""
+
+    def __init__(self, size: int | None = None):
+        self.size, self.busy = MAX_IMAGE_JOBS if size is None else size, 0
+
+    def take(self, param: str) -> None:
+        if self.busy >= self.size:
+            raise RequestError(f"{param}: {self.size} images are being decoded already; "
+                               f"retry in {IMAGE_RETRY_AFTER_S} s", param, 503,
+                               {"Retry-After": str(IMAGE_RETRY_AFTER_S)})
+        self.busy += 1
+
+    def free(self) -> None:
+        self.busy -= 1
+
+
+def prepare_request_image(data: bytes, height: int, width: int, param: str,
+                          cancelled: threading.Event | None = None) -> Any:
+    """`prepare_isolated` for a request of ``height x width``; refusals as `RequestError`
     (413 over the byte cap, else 422) naming ``param``."""
     try:
-        return prepare_image(data, height, width, what=param)
+        return prepare_isolated(data, height, width, what=param, cancelled=cancelled)
     except ImageTooLarge as exc:
         raise RequestError(str(exc), param, 413) from None
     except ImageError as exc:

@@ -140,7 +140,11 @@ class JobStore:
         """Drop a finished job and delete its files."""
         with self._lock:
             self._jobs.pop(job.id, None)
-        for path in (self.output_path(job.id), self.output_path(job.id).with_suffix(".json")):
+        try:
+            mp4 = self.output_path(job.id)
+        except ValueError:  # the output folder was replaced by a link: delete nothing there
+            return
+        for path in (mp4, mp4.with_suffix(".json")):
             path.unlink(missing_ok=True)
 
     def reject(self, reason: str) -> None:

@@ -19,7 +19,7 @@ the served model's recipe (`headmoe.pipeline.recipe`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -66,6 +66,8 @@ class RequestError(ValueError):
     message: str
     param: str | None = None
     status: int = 422
+    headers: dict[str, str] = field(default_factory=dict)
+    """Response headers (``Retry-After`` of a 503)."""
 
     def __str__(self) -> str:
         return self.message

@@ -216,6 +216,8 @@ def config_from_json(from_dict: Any, path: str | os.PathLike, what: str) -> Any:
             data = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{what} {path!r} is not a readable JSON file: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{what} {path!r} is nested too deeply to be a config") from None
     try:
         return from_dict(data, name=os.path.splitext(os.path.basename(path))[0])
     except ValueError as e:

@@ -115,16 +115,29 @@ def _headers(path: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def _check_layer_count(config: Magi2Config, path: str, headers: dict) -> None:
-    """Refuse a config whose ``num_layers`` differs from the layers the headers hold (a
-    1,000,000-layer config is refused at once, not after building its skeleton)."""
+def check_layer_count(num_layers: int, path: str, headers: dict, what: str,
+                      detail: Callable[[dict], str] | None = None) -> None:
+    """Refuse a config (``what``, e.g. ``"refiner config 'x'"``) whose ``num_layers``
+    differs from the ``block.layers.<i>.`` layers the headers hold, so a 1,000,000-layer
+    config is refused at once, not after building its skeleton: the one check of both the
+    preview's and the refiner's loaders (``detail(headers)`` adds to the message)."""
     found = {int(m.group(1)) for n in headers if (m := _LAYER.match(n))}
     count = max(found) + 1 if found else 0
-    if config.num_layers != count:
+    if num_layers != count:
         raise ValueError(f"checkpoint {path!r} holds {count} transformer layers "
-                         f"({LAYER_PREFIX}0..{count - 1}) but model config {config.name!r} has "
-                         f"num_layers={config.num_layers}{_first_mismatches(config, headers)}; "
+                         f"({LAYER_PREFIX}0..{count - 1}) but {what} has "
+                         f"num_layers={num_layers}{detail(headers) if detail else ''}; "
                          "use the config of this checkpoint")
+
+
+def read_headers(path: str | os.PathLike, num_layers: int, what: str,
+                 detail: Callable[[dict], str] | None = None) -> tuple[str, dict]:
+    """(prefix, headers) of a checkpoint (the ``transformer.`` prefix stripped), after
+    `check_layer_count` against ``num_layers``; for `check_headers`."""
+    path = os.fspath(path)
+    found = _strip_prefix(path, _headers(path))
+    check_layer_count(num_layers, path, found[1], what, detail)
+    return found
 
 
 #: the largest config whose tensors a layer-count refusal also compares (a meta skeleton)
@@ -162,11 +175,11 @@ def check_checkpoint(
     Returns (model name -> (file, shape, stored dtype), report). Raises `ValueError` naming
     every missing, unexpected, mis-shaped and non-float tensor (expected shape and dtype,
     found), or the unreadable file."""
-    path = os.fspath(path)
-    found = _strip_prefix(path, _headers(path))
-    _check_layer_count(config, path, found[1])  # before a skeleton of num_layers is built
-    return check_headers(checkpoint_spec(config), path, param_dtype,
-                         f"model config {config.name!r}", found)
+    what = f"model config {config.name!r}"
+    # before a skeleton of num_layers is built
+    found = read_headers(path, config.num_layers, what,
+                         lambda headers: _first_mismatches(config, headers))
+    return check_headers(checkpoint_spec(config), path, param_dtype, what, found)
 
 
 def check_headers(

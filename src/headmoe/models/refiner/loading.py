@@ -22,6 +22,7 @@ from headmoe.models.magi2.loading import (
     LoadReport,
     check_headers,
     load_in_batches,
+    read_headers,
     write_random_tensors,
 )
 from headmoe.models.refiner.config import Magi2RefinerConfig
@@ -63,9 +64,12 @@ def check_refiner_checkpoint(
     config: Magi2RefinerConfig, path: str | os.PathLike, param_dtype: torch.dtype | None = None
 ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
     """Check a refiner checkpoint's headers against `config` without reading a tensor;
-    raises `ValueError` naming every missing, unexpected, mis-shaped or non-float tensor."""
-    return check_headers(refiner_spec(config), path, param_dtype,
-                         f"refiner config {config.name!r}")
+    raises `ValueError` naming every missing, unexpected, mis-shaped or non-float tensor.
+    The layer count is checked first (`read_headers`, the preview's check), before the
+    spec's skeleton of ``num_layers`` layers is built."""
+    what = f"refiner config {config.name!r}"
+    found = read_headers(path, config.num_layers, what)
+    return check_headers(refiner_spec(config), path, param_dtype, what, found)
 
 
 def load_refiner(
