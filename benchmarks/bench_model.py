@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN_CASES = REPO / ".." / "shared" / "golden" / "magi2" / "cases.json"
+GOLDEN_CASES = REPO / "golden" / "magi2" / "cases.json"
 
 
 def requests() -> dict[str, tuple[tuple[int, int, int], int, tuple[int, ...]]]:

@@ -63,19 +63,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/x.py`
 
-from benchmarks import bench_stream, compile_check
-from headmoe.files import atomic_write
-from headmoe.layers import norms, triton_dense, triton_runtime
-from headmoe.layers.activations import swiglu7, swiglu7_
-from headmoe.layers.matmul import bi_linear, bi_matmul
-from headmoe.layers.triton_attention import triton_segment_attention, triton_sink_attention
-from headmoe.moe import MoEConfig, MultiHeadMoE, experts_reference, route
-from headmoe.moe.experts import combine
-from headmoe.moe.routing import route_groups
-from headmoe.moe.triton_moe import DEFAULT_TILES, experts_triton, route_triton
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks import bench_stream, compile_check  # noqa: E402
+from headmoe.files import atomic_write  # noqa: E402
+from headmoe.layers import norms, triton_dense, triton_runtime  # noqa: E402
+from headmoe.layers.activations import swiglu7, swiglu7_  # noqa: E402
+from headmoe.layers.matmul import bi_linear, bi_matmul  # noqa: E402
+from headmoe.layers.triton_attention import triton_segment_attention, triton_sink_attention  # noqa: E402
+from headmoe.moe import MoEConfig, MultiHeadMoE, experts_reference, route  # noqa: E402
+from headmoe.moe.experts import combine  # noqa: E402
+from headmoe.moe.routing import route_groups  # noqa: E402
+from headmoe.moe.triton_moe import DEFAULT_TILES, experts_triton, route_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: H200 dense bf16 tensor-core peak, TFLOP/s
