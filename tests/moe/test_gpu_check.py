@@ -4,8 +4,8 @@ a section that fails still leaves a complete report."""
 
 import pytest
 import torch
-from benchmarks import gpu_check
 
+from benchmarks import gpu_check
 from tests.triton_interp import interpreted  # noqa: F401  (sets TRITON_INTERPRET first)
 
 pytestmark = pytest.mark.triton
