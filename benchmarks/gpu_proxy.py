@@ -44,7 +44,7 @@ from benchmarks.common import markdown_table  # noqa: E402
 from headmoe.config import ParallelConfig  # noqa: E402
 from headmoe.distributed.context import ParallelContext  # noqa: E402
 from headmoe.distributed.topology import AXES, plan_topology  # noqa: E402
-from headmoe.layers import triton_attention, triton_dense, triton_runtime  # noqa: E402
+from headmoe.layers import triton_attention, triton_dense, triton_mhc, triton_runtime  # noqa: E402
 from headmoe.models.magi2 import model as magi2_model  # noqa: E402
 from headmoe.models.magi2.config import get_config  # noqa: E402
 from headmoe.models.magi2.packing import BranchInput, pack_branches  # noqa: E402
@@ -258,7 +258,8 @@ def cuda_dispatch(ledger: Ledger, sp: int):
     patches = [
         (triton_runtime, "use_triton", lambda t: True),
         (triton_dense, "kernels", lambda m: fake), (triton_attention, "kernels", lambda m: fake),
-        (triton_moe, "kernels", lambda m: fake),
+        (triton_moe, "kernels", lambda m: fake), (triton_mhc, "kernels", lambda m: fake),
+        (triton_mhc, "check_tensors", lambda *a, **t: None),
         (triton_dense, "check_tensors", lambda *a, **t: None),
         (triton_attention, "check_tensors", lambda *a, **t: None),
         (triton_moe, "check_tensors", lambda *a, **t: None),
