@@ -60,7 +60,8 @@ PEAK_FLOPS, HBM_BPS = 989e12, 4.8e12
 LAYOUTS = (("SP1", 1, 1), ("SP4/EP2", 4, 2), ("SP8/EP4", 8, 4))
 #: text tokens of the released recipe's branches (the planner's default)
 TEXT_TOKENS = 250
-GEMM_KERNELS = {"matmul_kernel", "gate_up_kernel", "down_kernel", "route_kernel"}
+GEMM_KERNELS = {"matmul_kernel", "rms_matmul_kernel", "gate_up_kernel", "down_kernel",
+                "route_kernel"}
 ATTENTION_KERNELS = {"sink_attention_kernel", "range_attention_kernel"}
 SKIP_OPS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
             "detach", "lift_fresh", "_unsafe_view"}  # fmt: skip
@@ -150,6 +151,10 @@ def _flops_matmul(a, b, *_r, **_k) -> float:
     return 2.0 * g * a.shape[-2] * a.shape[-1] * b.shape[-1]
 
 
+def _flops_rms_matmul(a, w, b, *_r, **_k) -> float:
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
 def _flops_attention(q, k, v, out, sinks, lk, *_r, **_k) -> float:
     lq, hq, d = q.shape if q.dim() == 3 else (q.shape[0], 1, q.shape[1])
     return 4.0 * lq * lk * hq * d
@@ -173,7 +178,8 @@ def _flops_elementwise(*args, **_k) -> float:
 
 #: FLOPs of each Triton kernel from its launch arguments (bytes: its tensor arguments)
 KERNEL_COST = {
-    "matmul_kernel": _flops_matmul, "sink_attention_kernel": _flops_attention,
+    "matmul_kernel": _flops_matmul, "rms_matmul_kernel": _flops_rms_matmul,
+    "sink_attention_kernel": _flops_attention,
     "gate_up_kernel": _flops_gate_up, "down_kernel": _flops_down, "route_kernel": _flops_route,
 }  # fmt: skip
 

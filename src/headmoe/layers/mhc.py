@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headmoe.layers import triton_mhc, triton_runtime
+from headmoe.layers import triton_dense, triton_mhc, triton_runtime
 from headmoe.layers.activations import sigmoid
 from headmoe.layers.matmul import bi_matmul
 from headmoe.layers.norms import rms_norm
@@ -59,8 +59,11 @@ def mhc_mix(
     state `[T, n, C]` fp32; norm_weight `[n*C]`; phi `[n*C, 2n + n*n]`; alpha = (a_pre, a_post,
     a_res) scalars `[1]`; bias = (b_pre `[n]`, b_post `[n]`, b_res `[n*n]`); all fp32."""
     t, n, c = state.shape
-    x = rms_norm(state.reshape(t, n * c), norm_weight, norm_eps)
-    logits = bi_matmul(x, phi)
+    if triton_runtime.use_triton(state):  # CUDA: the RMSNorm as a per-row scale of the GEMM
+        weight = norm_weight.reshape(-1, n * c) if norm_weight.dim() > 1 else norm_weight
+        logits = triton_dense.rms_norm_matmul(state.reshape(t, n * c), weight, phi, norm_eps)
+    else:
+        logits = bi_matmul(rms_norm(state.reshape(t, n * c), norm_weight, norm_eps), phi)
     s = 1.0 / math.sqrt(n * c)
     if triton_runtime.use_triton(logits):  # CUDA: one fused kernel (headmoe.layers.triton_mhc)
         return MHCMix(*triton_mhc.mhc_coeffs(logits, alpha, bias, n, s, iters, eps))
