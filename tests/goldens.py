@@ -38,3 +38,25 @@ def released_tensors(name: str) -> list[dict]:
     for row in rows:
         row["shape"] = tuple(ast.literal_eval(row["shape"]))
     return rows
+
+
+def _cell(text: str) -> str:
+    return text.strip().replace("`", "")
+
+
+def cross_cpu_bar(name: str, quantity: str) -> float:
+    """The cross-CPU bar of ``golden/CROSS_CPU.md`` for ``quantity`` of set ``name`` (the
+    table's first two columns, backticks dropped): the max abs a test asserts so that it
+    passes on any x86-64 CPU. The table is the one home of these numbers; a missing row or
+    a row without a number is an assertion error."""
+    import re
+
+    path = ROOT / "CROSS_CPU.md"
+    assert path.is_file(), f"{path} is missing (run scripts/sync_golden.py)"
+    for line in path.read_text().splitlines():
+        cells = line.split("|")[1:-1]
+        if len(cells) == 5 and _cell(cells[0]) == name and _cell(cells[1]) == quantity:
+            found = re.search(r"<=\s*([0-9.]+e-?[0-9]+)", cells[4])
+            assert found, f"CROSS_CPU.md row {name} / {quantity} names no bar: {cells[4]!r}"
+            return float(found.group(1))
+    raise AssertionError(f"CROSS_CPU.md has no row for {name} / {quantity}")

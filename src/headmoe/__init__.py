@@ -1,6 +1,10 @@
 """headmoe: multi-head-MoE diffusion transformers (MAGI-2 family) across many accelerators."""
 
 from headmoe.config import ParallelConfig
+from headmoe.numerics import blas_mode
+
+# before anything computes: oneMKL's thread-count-independent mode (headmoe.numerics)
+blas_mode()
 
 __all__ = ["MIN_TORCH", "ParallelConfig", "__version__", "check_torch"]
 __version__ = "0.1.0"

@@ -51,3 +51,28 @@ def test_bi_bmm_rows_do_not_depend_on_batch(dtype):
         assert torch.equal(bi_bmm(a[:, :m], b), full[:, :m]), m
     for i in range(4):
         assert torch.equal(bi_matmul(a[i], b[i]), full[i])
+
+
+# shapes whose plain torch products gave other bits at 1, 2 and 3 threads on an Intel Xeon
+# (fp32: oneMKL without its strict mode; bf16: oneDNN), see headmoe.numerics / .layers.matmul
+THREAD_SHAPES = [(298, 1536, 24), (298, 1536, 64), (16, 3072, 16), (300, 2048, 512)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", THREAD_SHAPES)
+def test_products_do_not_depend_on_the_thread_count(dtype, shape):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    a3, b3 = x.view(2, m // 2, k), torch.stack([w.t(), w.t().flip(0)])
+    old, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append((bi_linear(x, w), bi_matmul(x, w.t()), bi_bmm(a3, b3)))
+    finally:
+        torch.set_num_threads(old)
+    for other in outs[1:]:
+        for ref, got in zip(outs[0], other):
+            assert got.dtype == dtype and torch.equal(ref, got)

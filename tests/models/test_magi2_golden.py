@@ -18,6 +18,8 @@ from headmoe.models.magi2 import (
 from headmoe.testing import run_ranks
 from tests.models.golden import (
     CASES,
+    LAYER_TOL,
+    TIME_TOKENS_TOL,
     TOL,
     case_branches,
     case_shapes,
@@ -26,6 +28,9 @@ from tests.models.golden import (
     load_case,
     max_abs,
 )
+
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
 
 LAYOUTS = {
     "SP2xDP2": ParallelConfig(ulysses_degree=2, data_parallel_size=2),
@@ -60,7 +65,8 @@ def test_packer_reproduces_packed_inputs(name):
     p = pack_branches(case_branches(d), golden_config())
     for key in ("coords", "modality", "cu_seqlens", "x"):
         assert torch.equal(getattr(p, key), d[f"packed.{key}"]), key
-    assert max_abs(p.time_tokens, d["packed.time_tokens"]) <= 1e-6
+    # README: 1e-6 on the CPU that made the data; CROSS_CPU.md's bar on any CPU
+    assert max_abs(p.time_tokens, d["packed.time_tokens"]) <= TIME_TOKENS_TOL
     assert torch.equal(modality_order(p.modality), d["packed.modality_order"])
 
 
@@ -81,7 +87,7 @@ def test_every_layer_and_the_outputs(name, model):
     assert max_abs(trace["block_in"], d["trace.block_in"]) <= TOL
     for i in range(model.config.num_layers):
         err = max_abs(trace[f"layer{i}_out"][order], d[f"trace.layer{i}_out"])
-        assert err <= TOL, (i, err)
+        assert err <= LAYER_TOL, (i, err)  # CROSS_CPU.md (README: 1e-4 on its CPU)
     assert max_abs(out, d["out.packed"]) <= TOL
     outs = model(branches)
     for b, o in enumerate(outs):

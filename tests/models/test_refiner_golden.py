@@ -34,6 +34,9 @@ from tests.models.refiner_golden import (
     released_rows,
 )
 
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
+
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 

@@ -16,6 +16,9 @@ from safetensors.torch import load_file
 from headmoe.pipeline import image as im
 from tests.pipeline.goldens import golden_file
 
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
+
 NAME = "magi2_pipeline"
 IMAGES = ("landscape_37x23", "portrait_20x50")
 SIZES = ((256, 448), (64, 96))

@@ -11,6 +11,9 @@ from headmoe.pipeline.prompts import RELEASED_SPLIT_PATTERN, add_released_split,
 from headmoe.pipeline.released import RELEASED_NEGATIVE_PROMPT
 from tests.goldens import golden_dir, golden_file
 
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
+
 
 def _json(name):
     return json.loads(golden_file("magi2_pipeline", name).read_text(encoding="utf-8"))

@@ -21,8 +21,11 @@ from headmoe.pipeline.refine import (
     zero_snr_table,
 )
 from headmoe.pipeline.sampler import cfg_combine
-from tests.goldens import golden_file
+from tests.goldens import cross_cpu_bar, golden_file
 from tests.models.refiner_golden import TOL, golden_json, golden_model, load_case, max_abs
+
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +46,12 @@ def test_released_evaluation_fields():
     assert ev["magi2_refiner_noise_value"] == REFINER_NOISE_INDEX
 
 
-def test_zero_snr_table_bitwise():
+def test_zero_snr_table():
+    # README: bitwise in its order on the CPU that made it, <= 1e-6 otherwise; the table's
+    # float32 sqrt moves between CPUs (golden/CROSS_CPU.md: 172 of 1000 entries by 1.2e-7)
     sched = load_file(golden_file("magi2_refiner", "schedules.safetensors"))
-    assert torch.equal(zero_snr_table(), sched["zero_snr.table"])
+    bar = cross_cpu_bar("magi2_refiner", "zero_snr.table")
+    assert max_abs(zero_snr_table(), sched["zero_snr.table"]) <= bar
 
 
 def test_handoff_bitwise(loop):
@@ -76,15 +82,19 @@ def test_schedule_exact():
     assert torch.equal(ours.sigmas, sched["refiner.sigmas"])
 
 
-def test_sampler_steps_bitwise_from_the_stored_velocities(loop):
+def test_sampler_steps_from_the_stored_velocities(loop):
     """The released UniPC (pipeline.sampler, shared with the preview) on the refiner's
-    schedule reproduces every stored latent bit for bit from the stored velocities."""
+    schedule reproduces every stored latent from the stored velocities: bitwise on the CPU
+    that made the data, and within the bar of the same sampler's trajectories on any CPU
+    (golden/CROSS_CPU.md; the README's loop bar is 1e-4; 2.4e-7 measured on an Intel
+    Xeon)."""
+    bar = cross_cpu_bar("magi2_pipeline", "scheduler trajectories (scheduler.safetensors)")
     sampler, x = refiner_sampler(), loop["handoff.renoised"][0]
     for k in range(REFINER_STEPS):
         v = cfg_combine(loop[f"step{k}.v_cond"][0], loop[f"step{k}.v_uncond"][0],
                         REFINER_GUIDANCE)
         x = sampler.step(k, x, v)
-        assert torch.equal(x, loop[f"step{k}.latent" if k < 4 else "out.latent"][0]), k
+        assert max_abs(x, loop[f"step{k}.latent" if k < 4 else "out.latent"][0]) <= bar, k
 
 
 def test_refine_loop_end_to_end(loop, model):

@@ -16,7 +16,11 @@ from headmoe.pipeline.sampler import (
     make_sampler,
     released_schedule,
 )
-from tests.goldens import golden_file
+from tests.goldens import cross_cpu_bar, golden_file
+from tests.models.golden import max_abs
+
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
 
 #: (steps, shift) of the golden schedules and trajectories
 SCHEDULES = [(4, 7), (8, 7), (100, 7), (5, 5)]
@@ -68,18 +72,24 @@ def _trajectory(golden, steps, shift):
     return states
 
 
+#: README: bitwise on the CPU that made the data, else <= 1e-5 (its own fallback, the bar
+#: golden/CROSS_CPU.md gives for every CPU; the reference itself moved by 1.07e-6 there)
+TRAJECTORY_TOL = cross_cpu_bar("magi2_pipeline", "scheduler trajectories (scheduler.safetensors)")
+
+
 @pytest.mark.parametrize("steps, shift", [(4, 7), (8, 7), (5, 5)])
-def test_unipc_trajectories_bitwise(golden, steps, shift):
+def test_unipc_trajectories(golden, steps, shift):
     states = _trajectory(golden, steps, shift)
     for i, state in enumerate(states):
         for m, x in state.items():
-            assert torch.equal(x, golden[f"traj.s{steps}_shift{shift}.{m}"][i]), (m, i)
+            gold = golden[f"traj.s{steps}_shift{shift}.{m}"][i]
+            assert max_abs(x, gold) <= TRAJECTORY_TOL, (m, i)
 
 
-def test_unipc_100_steps_bitwise(golden):
+def test_unipc_100_steps(golden):
     final = _trajectory(golden, 100, 7)[-1]
     for m, x in final.items():
-        assert torch.equal(x, golden[f"traj.s100_shift7.{m}.final"]), m
+        assert max_abs(x, golden[f"traj.s100_shift7.{m}.final"]) <= TRAJECTORY_TOL, m
 
 
 def test_the_golden_data_pins_the_fixed_rho(golden, monkeypatch):

@@ -15,6 +15,9 @@ from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.release import text_encoder as te
 from headmoe.release.tiny_text_encoder import TINY_CORPUS, build_tiny_text_encoder
 
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
+
 PROMPTS = ["A red fox runs across a snowy field", "Waves", "Zwei Kinder lachen; 山の上に雪"]
 
 

@@ -13,6 +13,9 @@ from headmoe.release import turbo_vae as tv
 from headmoe.release import video_latents as vl
 from tests.pipeline.goldens import golden_dir, released_tensors
 
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
+
 NAME = "turbo_vae"
 
 

@@ -9,6 +9,9 @@ from safetensors.torch import load_file
 from headmoe.release import video_latents as vl
 from tests.pipeline.goldens import golden_dir
 
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
+
 
 @pytest.mark.parametrize("where", ["turbo_vae/case_short", "wan22_vae/case"])
 def test_stats_equal_golden_bitwise(where):

@@ -12,6 +12,9 @@ from headmoe.release import video_latents as vl
 from headmoe.release import wan_vae as wv
 from tests.pipeline.goldens import golden_dir, released_tensors
 
+#: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
+pytestmark = pytest.mark.golden
+
 NAME = "wan22_vae"
 
 

@@ -109,9 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _refuse_unknown_flags(parser, sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     from headmoe import check_torch
+    from headmoe.numerics import require_reproducible_blas
 
     def run() -> int:
         check_torch()
+        require_reproducible_blas()
         return args.run(args)
 
     return run_guarded(run, args.command, args.debug)

@@ -13,6 +13,14 @@ models feed here is a multiple of 16 fp32 values, so row slices stay aligned. Ev
 layout-dependent matmul in headmoe goes through these helpers; tests/layers/test_matmul.py
 checks the property on the machine that runs the tests.
 
+The thread count must not matter either (`headmoe.numerics`): fp32 GEMMs run in oneMKL's
+strict reproducible mode, which `import headmoe` sets. torch sends CPU bf16 and fp16 GEMMs
+to oneDNN instead, which splits some shapes by thread count (measured with torch 2.13 on an
+Intel Xeon with AMX: bf16 ``[298, 1536] @ [1536, 64]`` and ``[2000, 3072] @ [3072, 3072]``
+differ between 1, 2 and 3 threads), so on the CPU these run as fp32 MKL GEMMs and are
+rounded back: a product of two bf16 (or fp16) values is exact in fp32 and the accumulation
+is fp32 in both, so only the summation order changes, as between any two GEMM kernels.
+
 On CUDA (with triton installed, `headmoe.layers.triton_runtime.use_triton`) none of this
 padding is relied on: cuBLAS picks kernels and split-K from the sizes, so the helpers call
 `headmoe.layers.triton_dense.matmul` instead, a GEMM with fixed tiles and no split-K whose
@@ -31,6 +39,20 @@ from headmoe.layers import triton_dense, triton_runtime
 ALIGN = 16
 #: row counts below this are padded with zero rows (a multiple of every small-M kernel block)
 MIN_ROWS = 16
+
+
+#: CPU GEMM dtypes that torch runs on oneDNN (thread-count dependent); computed in fp32 here
+_ONEDNN_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def _cpu_product(op, *operands: torch.Tensor | None) -> torch.Tensor:
+    """``op(*operands)`` on the CPU with a thread-count-independent kernel: reduced floats
+    (`_ONEDNN_FLOATS`) computed in fp32 by oneMKL and returned in the first operand's dtype."""
+    dtype = operands[0].dtype
+    if dtype not in _ONEDNN_FLOATS:
+        return op(*operands)
+    wide = [None if t is None else t.float() for t in operands]
+    return op(*wide).to(dtype)
 
 
 def _pad_rows(x2d: torch.Tensor) -> torch.Tensor:
@@ -58,7 +80,7 @@ def bi_linear(
         return x.new_empty((*lead, weight.shape[0]))
     if triton_runtime.use_triton(x2d):
         return triton_dense.matmul(x2d, weight.t(), bias).reshape(*lead, weight.shape[0])
-    out = F.linear(_pad_rows(x2d), weight, bias)
+    out = _cpu_product(F.linear, _pad_rows(x2d), weight, bias)
     return out[:m].reshape(*lead, weight.shape[0])
 
 
@@ -69,7 +91,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.new_empty((0, b.shape[1]))
     if triton_runtime.use_triton(a):
         return triton_dense.matmul(a, b)
-    return (_pad_rows(a) @ b)[:m]
+    return _cpu_product(torch.matmul, _pad_rows(a), b)[:m]
 
 
 def bi_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -84,4 +106,4 @@ def bi_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         padded = a.new_zeros((g, MIN_ROWS, k))
         padded[:, :m] = a
         a = padded
-    return torch.bmm(a, b)[:, :m]
+    return _cpu_product(torch.bmm, a, b)[:, :m]

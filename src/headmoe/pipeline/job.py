@@ -42,6 +42,7 @@ from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput, Magi2Config
 from headmoe.models.streaming import split_layers
+from headmoe.numerics import numerics_record, require_reproducible_blas
 from headmoe.pipeline.health import (
     DECODER_HINT,
     check_media,
@@ -159,6 +160,7 @@ def build_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The components ``job`` runs with, built by its factory ``job.components``: built
     once, they serve any number of `run_request` calls of the same model, layout and
     dtype."""
+    require_reproducible_blas()  # the same on every rank, before any collective
     if job.components is None:
         raise ValueError("job.components is None: a job that runs needs a component factory "
                          "(the entry points pass headmoe.release.components.magi2_components)")
@@ -412,6 +414,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "counters": {str(x["rank"]): x["counters"] for x in group},
         "text_encoder_runs": {str(x["rank"]): x["text_encoder_runs"] for x in infos},
         "torch": torch.__version__,
+        "numerics": numerics_record(),
         **job.extra,
     }
 

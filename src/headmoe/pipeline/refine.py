@@ -27,14 +27,16 @@ import torch.nn.functional as F
 from headmoe.config import check_positive_int, is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
+from headmoe.models.refiner.config import RELEASED_EVALUATION
 from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
 from headmoe.release.video_latents import SPATIAL_STRIDE
 
-#: the refiner's released evaluation fields (REFINER.md section 2)
-REFINER_STEPS = 5
-REFINER_SHIFT = 5.0
-REFINER_GUIDANCE = 2.0
-REFINER_NOISE_INDEX = 220
+#: the refiner's released evaluation fields (REFINER.md section 2; their home is
+#: `headmoe.models.refiner.config.RELEASED_EVALUATION`, which a nested config is checked by)
+REFINER_STEPS: int = RELEASED_EVALUATION["magi2_refiner_num_inference_steps"]
+REFINER_SHIFT: float = RELEASED_EVALUATION["magi2_refiner_shift"]
+REFINER_GUIDANCE: float = RELEASED_EVALUATION["magi2_refiner_video_txt_guidance_scale"]
+REFINER_NOISE_INDEX: int = RELEASED_EVALUATION["magi2_refiner_noise_value"]
 #: latent frames per preview frame interval (the refined clip has 2T - 1 latent frames at
 #: twice the preview's fps); a refiner latent cell is `SPATIAL_STRIDE` pixels, as the
 #: preview's (the decoders' rule, `headmoe.release.video_latents`)

@@ -71,10 +71,13 @@ class Placed:
     """A module's home between uses: its device, or the host when ``offload`` (and the
     device is not the CPU). ``with placed.use():`` has it on the device for the block.
 
-    On a CPU device the block runs with `CPU_THREADS` torch threads: fp32 CPU convolutions
-    give different last bits with different thread counts (measured on the Oobleck decoder:
-    1 vs 2 threads differ by 1.2e-6), and a rank's thread count depends on the layout
-    (``cpu_count // ranks per node``), so a fixed count keeps the bytes layout-independent."""
+    On a CPU device the block runs with `CPU_THREADS` torch threads: torch runs fp32 CPU
+    convolutions on oneDNN, whose 1x1 and transposed convolutions give other last bits at
+    other thread counts even in oneMKL's strict mode (`headmoe.numerics`; measured with torch
+    2.13: a 1x1 conv1d over 128 channels and a stride-8 conv_transpose1d at 1, 2 and 3
+    threads, the Oobleck decoder's audio by one int16 step), and a rank's thread count
+    depends on the layout and the machine, so a fixed count keeps the bytes independent of
+    both. Its cost: docs/benchmarks.md ("thread-count-independent numerics")."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device, offload: bool):
         self.module, self.device = module, device

@@ -93,10 +93,15 @@ class Magi2RefinerConfig(TransformerShape):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], name: str = "custom") -> Magi2RefinerConfig:
-        """A config from `to_dict()`'s output or the upstream model section (keys
-        `mm_layers`, `num_heads_q`, ...). Raises `ValueError` naming the field."""
+        """A config from `to_dict()`'s output, the upstream model section (keys
+        `mm_layers`, `num_heads_q`, ...) or SandAI's nested form (``arch`` / ``data_proxy`` /
+        ``evaluation``, as golden/magi2_refiner/config.json), whose data-proxy and
+        evaluation fields must be the released refiner's (`RELEASED_DATA_PROXY`,
+        `RELEASED_EVALUATION`). Raises `ValueError` naming the field."""
         if not isinstance(data, dict):
             raise ValueError(f"refiner config must be a JSON object, got {type(data).__name__}")
+        if "arch" in data:
+            return _from_nested(data, name)
         if "mm_layers" in data:
             return _from_upstream(data, name)
         own = {f.name for f in fields(cls)}
@@ -154,6 +159,70 @@ def _from_upstream(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
                       ("num_heads_kv", cfg.num_query_groups)):
         if key in data and data[key] != want:
             raise ValueError(f"refiner config field {key}={data[key]!r} must be {want}")
+    return cfg
+
+
+#: the released refiner's evaluation fields (golden/magi2_refiner/config.json, REFINER.md
+#: section 2): its steps, shift, text guidance and re-noise index; `headmoe.pipeline.refine`
+#: runs them. A nested config must have these values; its other evaluation fields (the
+#: preview's recipe, the audio guidance the refiner does not use) are read and not used.
+RELEASED_EVALUATION: dict[str, Any] = {
+    "magi2_refiner_num_inference_steps": 5, "magi2_refiner_shift": 5.0,
+    "magi2_refiner_video_txt_guidance_scale": 2.0, "magi2_refiner_noise_value": 220,
+    "magi2_refiner_vae_stride": [4, 16, 16], "magi2_refiner_patch_size": [1, 1, 1],
+}
+_EVALUATION_UNUSED = {
+    "magi2_refiner_audio_txt_guidance_scale", "magi2_refiner_audio_noise_scale",
+    "use_cfg_trick", "shift", "fps", "num_inference_steps",
+}
+#: the released refiner's data-proxy fields: patching, coordinates and the block-grid
+#: attention (8 x 4 x 4 blocks, radius 2 on every axis, no full-attention layer)
+RELEASED_DATA_PROXY: dict[str, Any] = {
+    "t_patch_size": 1, "patch_size": 1, "text_offset": 0, "coords_style": "v1",
+    "spatial_rope_interpolation": "extra", "magi2_refiner_condition_input": "none",
+    "attn_config": {
+        "mode": "window", "block_t_size": 8, "block_size": 4,
+        "window": {"level": "block", "block_mode": "grid", "block_t_radius": 2,
+                   "block_h_radius": 2, "block_w_radius": 2, "full_attn_layers": []},
+    },
+}
+#: data-proxy fields that do not change the released function in block-grid mode
+_DATA_PROXY_UNUSED = {"frame_receptive_field", "attn_config.window.win_size",
+                      "attn_config.window.frame_receptive_field",
+                      "attn_config.window.auto_range_merge", "attn_config.window.sparse_load"}
+
+
+def _check_section(data: Any, released: dict[str, Any], unused: set[str], path: str) -> None:
+    """Every field of ``data`` is a released one with its value, or a known unused one."""
+    if not isinstance(data, dict):
+        raise ValueError(f"refiner config field {path} must be a JSON object, "
+                         f"got {type(data).__name__}")
+    prefix = path.split(".", 1)[1] + "." if "." in path else ""
+    for key, value in data.items():
+        full = prefix + key
+        if full in unused:
+            continue
+        if key not in released:
+            raise ValueError(f"refiner config has unknown field {path}.{key}")
+        if isinstance(released[key], dict):
+            _check_section(value, released[key], unused, f"{path}.{key}")
+        elif value != released[key] or type(value) is bool:
+            raise ValueError(f"refiner config field {path}.{key}={value!r} differs from the "
+                             f"released refiner's {released[key]!r}")
+
+
+def _from_nested(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
+    unknown = sorted(set(data) - {"arch", "data_proxy", "evaluation"})
+    if unknown:
+        raise ValueError(f"refiner config has unknown fields: {', '.join(unknown)}")
+    if not isinstance(data["arch"], dict):
+        raise ValueError(f"refiner config field arch must be a JSON object, "
+                         f"got {type(data['arch']).__name__}")
+    cfg = _from_upstream(data["arch"], name)
+    _check_section(data.get("data_proxy", {}), RELEASED_DATA_PROXY, _DATA_PROXY_UNUSED,
+                   "data_proxy")
+    _check_section(data.get("evaluation", {}), RELEASED_EVALUATION, _EVALUATION_UNUSED,
+                   "evaluation")
     return cfg
 
 
