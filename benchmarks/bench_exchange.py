@@ -31,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
     interleaved,
+    load_average,
     markdown_table,
     paired_ratio,
     slowest_rank_median,
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {WORLD} Gloo ranks x 1 thread, {reps} reps + 1 warm-up, "
           "times: slowest rank's median; ratios: median over reps of the paired ratio",
           flush=True)  # fmt: skip
+    print(load_average(), flush=True)
     per_rank = run_ranks(_worker, WORLD, args=(cfgs, reps), timeout=1800)
     print(report(cfgs, per_rank))
 

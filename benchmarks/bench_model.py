@@ -29,7 +29,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN_CASES = REPO / ".." / "shared" / "golden" / "magi2" / "cases.json"
+sys.path.insert(0, str(REPO))  # `python benchmarks/bench_model.py` from a clone
+
+from benchmarks.common import load_average  # noqa: E402
+
+GOLDEN_CASES = REPO / "golden" / "magi2" / "cases.json"
 
 
 def requests() -> dict[str, tuple[tuple[int, int, int], int, tuple[int, ...]]]:
@@ -105,13 +109,13 @@ def main() -> None:
         rows = []
         for name in requests():
             times = {k: [] for k in procs}
-            for i in range(args.reps + 1):
-                for k, proc in procs.items():
+            for i in range(args.reps + 1):  # A/B order alternates between repetitions
+                for k, proc in (list(procs.items()) if i % 2 else list(procs.items())[::-1]):
                     t = _time(proc, name)
                     if i:
                         times[k].append(t)
-            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            row = [name] + [f"{med[k]:.1f}" for k in procs]
+            row = [name] + [f"{min(v) * 1e3:.1f} / {statistics.median(v) * 1e3:.1f}"
+                            for v in times.values()]  # fmt: skip
             if "baseline" in procs:
                 ratios = [a / b for a, b in zip(times["this tree"], times["baseline"])]
                 row.append(f"{statistics.median(ratios):.2f}")
@@ -119,7 +123,8 @@ def main() -> None:
         for proc in procs.values():
             proc.stdin.close()
             proc.wait(timeout=60)
-    headers = ["request"] + [f"{k} ms" for k in procs]
+    headers = ["request"] + [f"{k} ms min / median" for k in procs]
+    print(load_average())
     if args.baseline_src is not None:
         headers.append("this / baseline")
     print("| " + " | ".join(headers) + " |\n|" + "---|" * len(headers))

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import load_average, markdown_table  # noqa: E402
 from headmoe.moe import experts_grouped, experts_reference, route  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     tiny_tokens = (64, 256, 1024)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {reps} reps + 1 "
           "warm-up, median ms; ratios fast/dense and loop/fast", flush=True)
+    print(load_average(), flush=True)
     rows = []
     for dname in args.dtypes:
         for tokens in tiny_tokens:

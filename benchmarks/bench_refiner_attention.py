@@ -21,14 +21,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/x.py`
 
-from benchmarks.common import REPO_ROOT, ensure_importable, markdown_table
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-ensure_importable()
-
+from benchmarks.common import REPO_ROOT, load_average, markdown_table, min_median  # noqa: E402
 from headmoe.layers.range_attention import range_attention_reference  # noqa: E402
 from headmoe.models.refiner import (  # noqa: E402
     attention_plan,
@@ -108,17 +108,17 @@ def bench(case: str, reps: int) -> dict:
     ours = range_attention_reference(q, k, v, plan, scale)
     ref = dense(q, k, v, mask, scale)
     times: dict[str, list[float]] = {"range": [], "dense": []}
-    for _ in range(reps):
-        for name, fn in (("range", lambda: range_attention_reference(q, k, v, plan, scale)),
-                         ("dense", lambda: dense(q, k, v, mask, scale))):
+    methods = (("range", lambda: range_attention_reference(q, k, v, plan, scale)),
+               ("dense", lambda: dense(q, k, v, mask, scale)))
+    for rep in range(reps):  # A/B order alternates: B runs first every other repetition
+        for name, fn in (methods if rep % 2 == 0 else methods[::-1]):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
     n = plan.num_tokens
     return {"tokens": n, "pairs": plan.pairs(), "density": plan.pairs() / n**2,
             "max_abs": (ours - ref).abs().max().item(),
-            "range_s": statistics.median(times["range"]),
-            "dense_s": statistics.median(times["dense"]),
+            "range_s": min_median(times["range"]), "dense_s": min_median(times["dense"]),
             "ratio": statistics.median(d / r for r, d in zip(times["range"], times["dense"]))}
 
 
@@ -138,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         r = bench(case, args.reps)
         mem = {m: peak(m, case, args.threads) for m in ("range", "dense")}
         rows.append([case, f"{r['tokens']:,}", f"{100 * r['density']:.1f}%",
-                     f"{r['range_s']:.3f}", f"{r['dense_s']:.3f}", f"{r['ratio']:.2f}x",
+                     r["range_s"], r["dense_s"], f"{r['ratio']:.2f}x",
                      f"{mem['range']['rise_mib']:.0f}",
                      f"{mem['dense']['rise_mib']:.0f} (+{mem['dense']['mask_mib']:.0f} mask)",
                      f"{r['max_abs']:.1e}"])
         print(rows[-1], flush=True)
-    print(markdown_table(["latent TxHxW", "tokens", "mask density", "range s", "dense s",
+    print(load_average())
+    print(markdown_table(["latent TxHxW", "tokens", "mask density", "range s min / med",
+                          "dense s min / med",
                           "dense / range", "range peak MiB", "dense peak MiB",
                           "max abs diff"], rows))
     return 0

@@ -7,8 +7,8 @@ repetitions of the slowest rank's time.
 
 from __future__ import annotations
 
+import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,10 +19,16 @@ import torch.distributed as dist
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def ensure_importable() -> None:
-    """Let `python benchmarks/x.py` import `benchmarks.*` (spawned ranks re-run this)."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
+def load_average() -> str:
+    """The 1/5/15-minute load averages and the CPUs, for the report of a timed run (a figure
+    measured on a loaded machine holds under that load only)."""
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min) on {os.cpu_count()} CPUs"
+
+
+def min_median(times: list[float]) -> str:
+    """`min / median` seconds of repeated timings, as printed by the benchmarks."""
+    return f"{min(times):.3f} / {statistics.median(times):.3f}"
 
 
 def timed(fn: Callable[[], Any], group: Any = None) -> float:

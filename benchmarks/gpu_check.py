@@ -1,7 +1,7 @@
 """One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
 seconds (default 360) that cannot stop half-way without a report.
 
-First the environment (device name, versions, clocks), then eight sections, each in its own
+First the environment (device name, versions, clocks), then nine sections, each in its own
 try/except, the markdown file `--out` rewritten (atomically) after every section, so a
 failure or the budget running out loses only the rest of that section:
 
@@ -30,7 +30,10 @@ failure or the budget running out loses only the rest of that section:
 (g) the refiner's block-grid range attention at 1080p (63x68x120 latents + 512 text
     tokens, SP8 per-rank heads: 4 query, 1 KV, 128 dims): against the CPU path on the first
     tiles, head-subset rows bit-identical, TFLOP/s of the attended pairs beside dense SDPA
-    over as many pairs.
+    over as many pairs;
+(h) fused mHC (`headmoe.layers.triton_mhc`: coefficients with the whole Sinkhorn loop,
+    `mhc_input`, `mhc_update`) at the SP8 per-rank layer shape (3,709 tokens x 4 streams x
+    3072) against the eager torch definition: error, rows alone vs in the batch, time.
 
 Exit status 0 when every check passed, 1 when a check or a section failed or the budget
 ran out, 2 without a CUDA device. Targets (ratios in the table, never asserted by timed
@@ -63,19 +66,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/x.py`
 
-from benchmarks import bench_stream, compile_check
-from headmoe.files import atomic_write
-from headmoe.layers import norms, triton_dense, triton_runtime
-from headmoe.layers.activations import swiglu7, swiglu7_
-from headmoe.layers.matmul import bi_linear, bi_matmul
-from headmoe.layers.triton_attention import triton_segment_attention, triton_sink_attention
-from headmoe.moe import MoEConfig, MultiHeadMoE, experts_reference, route
-from headmoe.moe.experts import combine
-from headmoe.moe.routing import route_groups
-from headmoe.moe.triton_moe import DEFAULT_TILES, experts_triton, route_triton
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks import bench_stream, compile_check  # noqa: E402
+from headmoe.files import atomic_write  # noqa: E402
+from headmoe.layers import mhc, norms, triton_dense, triton_runtime  # noqa: E402
+from headmoe.layers.activations import swiglu7, swiglu7_  # noqa: E402
+from headmoe.layers.matmul import bi_linear, bi_matmul  # noqa: E402
+from headmoe.layers.triton_attention import triton_segment_attention, triton_sink_attention  # noqa: E402
+from headmoe.moe import MoEConfig, MultiHeadMoE, experts_reference, route  # noqa: E402
+from headmoe.moe.experts import combine  # noqa: E402
+from headmoe.moe.routing import route_groups  # noqa: E402
+from headmoe.moe.triton_moe import DEFAULT_TILES, experts_triton, route_triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: H200 dense bf16 tensor-core peak, TFLOP/s
@@ -92,6 +97,7 @@ SECTIONS = {
     "e": "layer-shaped workload",
     bench_stream.SECTION: "layer streaming: H2D GB/s, step time resident vs streamed, copy hidden",
     "g": "refiner block-grid attention at 1080p vs dense SDPA of the same pairs",
+    "h": "fused mHC (coefficients + Sinkhorn, input, update) vs the eager torch definition",
 }
 
 
@@ -802,10 +808,52 @@ def section_refiner(ctx: Ctx) -> None:
             tflops(4.0 * side**2 * dim * hq, dense_ms) + ratio)
 
 
+def mhc_branch(state, args, y, dtype, fused: bool):
+    """One mHC branch (mix, input, update) on the fused kernels or the torch definition."""
+    real = triton_runtime.use_triton
+    triton_runtime.use_triton = (lambda t: True) if fused else (lambda t: False)
+    try:
+        mix = mhc.mhc_mix(state, *args, iters=20, eps=1e-12, norm_eps=1e-6)
+        return mhc.mhc_input(state, mix, dtype), mhc.mhc_update(state, mix, y, dtype)
+    finally:
+        triton_runtime.use_triton = real
+
+
+def section_mhc(ctx: Ctx) -> None:
+    """Fused mHC at the layer's per-rank shape against the eager torch definition: error,
+    rows alone vs in the batch (bits), time of both."""
+    sh = ctx.sh
+    n, c, t = sh.streams, sh.hidden, sh.t_local
+    g = torch.Generator(device=ctx.device).manual_seed(11)
+    state = ctx.randn(t, n, c, gen=g)
+    f32 = {"dtype": torch.float32, "gen": g}
+    args = (ctx.randn(n * c, scale=0.1, **f32), ctx.randn(n * c, 2 * n + n * n, **f32),
+            tuple(ctx.randn(1, **f32).abs() for _ in range(3)),
+            (ctx.randn(n, **f32), ctx.randn(n, **f32), ctx.randn(n * n, **f32)))  # fmt: skip
+    y = ctx.randn(t, c, gen=g)
+    shape = f"{t:,} tok x {n} x {c}, {ctx.dtype}".replace("torch.", "")
+    fused = mhc_branch(state, args, y, ctx.dtype, True)
+    eager = mhc_branch(state.float(), args, y.float(), torch.float32, False)
+    err = max(float((a.float() - b).abs().max() / b.abs().max()) for a, b in zip(fused, eager))
+    tol = 2e-2 if ctx.dtype == torch.bfloat16 else 1e-4
+    ctx.report.add("h", "fused mHC vs eager fp32 (max err / max)", shape, f"{err:.2e}",
+                   f"<= {tol:g}", err <= tol)  # fmt: skip
+    lo, hi = t // 3, t // 3 + 5
+    part = mhc_branch(state[lo:hi], args, y[lo:hi], ctx.dtype, True)
+    bad = sum(mismatched_rows(a, b[lo:hi]) for a, b in zip(part, fused))
+    ctx.report.add("h", "fused mHC rows alone vs in the batch", shape, f"{bad} rows differ",
+                   "0", bad == 0)  # fmt: skip
+    t_fused = ctx.time(lambda: mhc_branch(state, args, y, ctx.dtype, True))
+    t_eager = ctx.time(lambda: mhc_branch(state, args, y, ctx.dtype, False))
+    ratio = "" if t_fused is None or t_eager is None else f"; eager / fused {t_eager / t_fused:.2f}"
+    ctx.report.add("h", "one mHC branch: fused, eager ms", shape,
+                   f"{ms_text(t_fused)}, {ms_text(t_eager)}{ratio}")  # fmt: skip
+
+
 SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
     "0": section_compile, "a": section_checks, "b": section_probe, "c": section_moe,
     "d": section_attention, "e": section_layer, bench_stream.SECTION: bench_stream.gpu_section,
-    "g": section_refiner,
+    "g": section_refiner, "h": section_mhc,
 }  # fmt: skip
 
 

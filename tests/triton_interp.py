@@ -34,6 +34,7 @@ KERNELS = (
     ("headmoe.layers.triton_attention_kernels", "sink_attention_kernel"),
     ("headmoe.layers.triton_range_attention_kernels", "range_attention_kernel"),
     ("headmoe.layers.triton_dense_kernels", "matmul_kernel"),
+    ("headmoe.layers.triton_mhc_kernels", "mhc_coeffs_kernel"),
 )
 MISSING = (
     "triton is not installed: the tests marked 'triton' need it (pip install -e '.[dev]'); "

@@ -153,3 +153,26 @@ def test_bad_arguments_name_the_operand():
         triton_dense.matmul(x.long(), torch.zeros(8, 4).long())
     with pytest.raises(ValueError, match="block_k"):
         triton_dense.DenseTiles(block_k=24)
+
+
+def test_rms_norm_matmul_equals_the_two_steps_and_is_row_invariant():
+    """The mHC logit GEMM with the RMSNorm folded in as a per-row scale: equal to
+    rms_norm then matmul within rounding (shared and per-token weights, K over several
+    steps ending mid-step), a row's bits the same moved, alone, or in resized batches."""
+    g = torch.Generator().manual_seed(13)
+    m, k, n = 70, 136, 24
+    x = torch.randn(m, k, generator=g)
+    phi = torch.randn(k, n, generator=g)
+    for w in (torch.randn(k, generator=g) * 0.1, torch.randn(m, k, generator=g) * 0.1):
+        got = triton_dense.rms_norm_matmul(x, w, phi, 1e-6)
+        want = norms.rms_norm(x.double(), w.double(), 1e-6) @ phi.double()
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+        p = torch.randperm(m, generator=g)
+        wp = w if w.dim() == 1 else w[p]
+        assert torch.equal(triton_dense.rms_norm_matmul(x[p], wp, phi, 1e-6), got[p])
+        for a, b in ((5, 6), (3, 70), (64, 69)):
+            wa = w if w.dim() == 1 else w[a:b]
+            assert torch.equal(triton_dense.rms_norm_matmul(x[a:b], wa, phi, 1e-6), got[a:b])
+    with pytest.raises(ValueError, match="weight must be"):
+        triton_dense.rms_norm_matmul(x, torch.zeros(3, k), phi, 1e-6)

@@ -43,6 +43,19 @@ def sink_attention(
     return out[0].transpose(0, 1).to(dtype)
 
 
+def apply_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The sink applied to attention computed without it, from its log-sum-exp:
+    `out * sigmoid(lse - sigma_h)` (= `exp(lse) / (exp(lse) + exp(sigma_h))`, the weight the
+    softmax leaves to the real keys once the sink key joins them).
+
+    out: `[L, h, D]` (any float dtype); lse: `[L, h]` fp32 natural-log sum-exp of the scaled
+    scores of each query row (what flash kernels return); sinks `[h]` fp32. Returns fp32
+    `[L, h, D]`. For a flash path that returns the LSE (issue 30); tested on CPU against
+    `sink_attention` (tests/layers/test_attention.py)."""
+    w = torch.sigmoid(lse.float() - sinks.float()[None, :])
+    return out.float() * w[:, :, None]
+
+
 def segment_attention(
     qkv: torch.Tensor, segments: list[tuple[int, int]], sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from headmoe.layers import triton_dense, triton_mhc, triton_runtime
 from headmoe.layers.activations import sigmoid
 from headmoe.layers.matmul import bi_matmul
 from headmoe.layers.norms import rms_norm
@@ -58,9 +59,14 @@ def mhc_mix(
     state `[T, n, C]` fp32; norm_weight `[n*C]`; phi `[n*C, 2n + n*n]`; alpha = (a_pre, a_post,
     a_res) scalars `[1]`; bias = (b_pre `[n]`, b_post `[n]`, b_res `[n*n]`); all fp32."""
     t, n, c = state.shape
-    x = rms_norm(state.reshape(t, n * c), norm_weight, norm_eps)
-    logits = bi_matmul(x, phi)
+    if triton_runtime.use_triton(state):  # CUDA: the RMSNorm as a per-row scale of the GEMM
+        weight = norm_weight.reshape(-1, n * c) if norm_weight.dim() > 1 else norm_weight
+        logits = triton_dense.rms_norm_matmul(state.reshape(t, n * c), weight, phi, norm_eps)
+    else:
+        logits = bi_matmul(rms_norm(state.reshape(t, n * c), norm_weight, norm_eps), phi)
     s = 1.0 / math.sqrt(n * c)
+    if triton_runtime.use_triton(logits):  # CUDA: one fused kernel (headmoe.layers.triton_mhc)
+        return MHCMix(*triton_mhc.mhc_coeffs(logits, alpha, bias, n, s, iters, eps))
     l_pre, l_post, l_res = logits[:, :n], logits[:, n : 2 * n], logits[:, 2 * n :]
     h_pre = sigmoid(alpha[0] * s * l_pre + bias[0])
     h_post = 2.0 * sigmoid(alpha[1] * s * l_post + bias[1])
@@ -68,16 +74,24 @@ def mhc_mix(
     return MHCMix(h_pre, h_post, h_res)
 
 
-def mhc_input(state: torch.Tensor, mix: MHCMix) -> torch.Tensor:
-    """Branch input `u = sum_i h_pre[i] S[i]`: state `[T, n, C]` -> `[T, C]` fp32."""
+def mhc_input(state: torch.Tensor, mix: MHCMix, out_dtype: torch.dtype = torch.float32
+              ) -> torch.Tensor:  # fmt: skip
+    """Branch input `u = sum_i h_pre[i] S[i]` (fp32): state `[T, n, C]` -> `[T, C]` in
+    out_dtype. CUDA: one kernel (`headmoe.layers.triton_mhc`)."""
+    if triton_runtime.use_triton(state):
+        return triton_mhc.mhc_input(state, mix.h_pre, out_dtype)
     u = mix.h_pre[:, 0:1] * state[:, 0]
     for i in range(1, state.shape[1]):
         u = u + mix.h_pre[:, i : i + 1] * state[:, i]
-    return u
+    return u.to(out_dtype)
 
 
-def mhc_update(state: torch.Tensor, mix: MHCMix, y: torch.Tensor) -> torch.Tensor:
-    """`S <- H_res S + h_post (outer) y`: state `[T, n, C]`, y `[T, C]` -> `[T, n, C]` fp32."""
+def mhc_update(state: torch.Tensor, mix: MHCMix, y: torch.Tensor,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+    """`S <- H_res S + h_post (outer) y` (fp32): state `[T, n, C]`, y `[T, C]` ->
+    `[T, n, C]` in out_dtype. CUDA: one kernel (`headmoe.layers.triton_mhc`)."""
+    if triton_runtime.use_triton(state):
+        return triton_mhc.mhc_update(state, mix.h_res, mix.h_post, y, out_dtype)
     n = state.shape[1]
     rows = []
     for i in range(n):
@@ -85,4 +99,4 @@ def mhc_update(state: torch.Tensor, mix: MHCMix, y: torch.Tensor) -> torch.Tenso
         for j in range(1, n):
             acc = acc + mix.h_res[:, i, j : j + 1] * state[:, j]
         rows.append(acc + mix.h_post[:, i : i + 1] * y)
-    return torch.stack(rows, dim=1)
+    return torch.stack(rows, dim=1).to(out_dtype)

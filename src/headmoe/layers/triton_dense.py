@@ -131,3 +131,37 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
             num_warps=8,
         )  # fmt: skip
     return out
+
+
+#: rows / columns / K step of `rms_norm_matmul` (fp32 IEEE products; N is the mHC's 2n + n*n)
+RMS_MATMUL_TILES = (64, 32, 32)
+
+
+def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, b: torch.Tensor,
+                    eps: float) -> torch.Tensor:  # fmt: skip
+    """`rms_norm_rows(x, weight, eps) @ b` in one kernel, the norm a per-row scale of the
+    GEMM (the mHC logits, issue 30: no `[T, K]` fp32 normed copy is written).
+
+    x: `[M, K]` float (fp32/fp16/bf16, read once per column block); weight: fp32 `[K]` or
+    `[M, K]` (one row per token); b: fp32 `[K, N]`. Returns fp32 `[M, N]`; rows independent
+    of the batch (fixed tiles, whole K per program). Equal to the two-step form within
+    rounding (the scale is applied after the products)."""
+    m, k = x.shape
+    if b.dtype != torch.float32 or b.dim() != 2 or b.shape[0] != k:
+        raise ValueError(f"b must be fp32 [{k}, N], got {tuple(b.shape)} {b.dtype}")
+    kern = kernels(KERNELS).rms_matmul_kernel
+    check_tensors(kern, x=x, weight=weight, b=b)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = weight.float()
+    w = (w.contiguous() if w.dim() == 2 else w.reshape(1, k).contiguous())
+    if w.shape[1] != k or w.shape[0] not in (1, m):
+        raise ValueError(f"weight must be fp32 [{k}] or [{m}, {k}], got {tuple(weight.shape)}")
+    out = torch.empty((m, b.shape[1]), dtype=torch.float32, device=x.device)
+    bm, bn, bk = RMS_MATMUL_TILES
+    if m and b.shape[1]:
+        kern[(-(-m // bm), -(-b.shape[1] // bn))](
+            x, w, b.contiguous(), out, m, b.shape[1], k, x.stride(0),
+            w.stride(0) if w.shape[0] == m and m > 1 else 0, b.shape[1], out.stride(0),
+            float(eps), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+        )  # fmt: skip
+    return out

@@ -72,3 +72,35 @@ def rms_norm_kernel(
         w = tl.load(w_ptr + rows[:, None] * stride_w + (c0 + cols)[None, :], mask=mask, other=0.0)
         out = x.to(tl.float32) * inv[:, None] * (1.0 + w)
         tl.store(out_ptr + rows[:, None] * stride_out + (c0 + cols)[None, :], out, mask=mask)
+
+
+@triton.jit
+def rms_matmul_kernel(
+    a_ptr, w_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_wm, stride_bk, stride_cm, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One program: rows `[m0, m0 + BLOCK_M)` x columns `[n0, n0 + BLOCK_N)` of
+    `RMSNorm(a; w) @ b` with the norm folded in: the K loop (from 0, steps of BLOCK_K, no
+    split-K) accumulates `(a * (1 + w)) @ b` in fp32 (IEEE products) and each row's squares in
+    BLOCK_K lanes; the epilogue scales row r by `rsqrt(sum / K + eps)` (lanes reduced by one
+    fixed tree). w has one row per a row (stride_wm = 0: shared weights). fp32 out."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask, cmask = rows < M, cols < N
+    rows = rows.to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + kk) < K
+        m2 = rmask[:, None] & kmask[None, :]
+        a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + kk)[None, :], mask=m2, other=0.0)
+        a = a.to(tl.float32)
+        ss += a * a
+        w = tl.load(w_ptr + rows[:, None] * stride_wm + (k0 + kk)[None, :], mask=m2, other=0.0)
+        b = tl.load(b_ptr + (k0 + kk)[:, None] * stride_bk + cols[None, :],
+                    mask=kmask[:, None] & cmask[None, :], other=0.0)  # fmt: skip
+        acc = tl.dot(a * (1.0 + w), b, acc, input_precision="ieee")
+    inv = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+    tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc * inv[:, None],
+             mask=rmask[:, None] & cmask[None, :])  # fmt: skip

@@ -263,8 +263,8 @@ class Magi2Layer(nn.Module):
                       for k in ("pre", "post", "res")),
                 iters=cfg.mhc_sinkhorn_iters, eps=cfg.mhc_eps, norm_eps=cfg.norm_eps,
             )
-            y = fn(mhc_input(state, mix).to(self.dtype), plan, ctx)
-            state = mhc_update(state, mix, y.to(self.dtype)).to(self.dtype)
+            y = fn(mhc_input(state, mix, self.dtype), plan, ctx)
+            state = mhc_update(state, mix, y.to(self.dtype), self.dtype)
         return state
 
 
