@@ -469,7 +469,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for tests and `python -m headmoe.cli.plan`."""
-    parser = argparse.ArgumentParser(prog="headmoe")
+    from headmoe.cli.main import Parser
+
+    parser = Parser(prog="headmoe")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
     return run_guarded(lambda: args.run(args), "plan", False)
