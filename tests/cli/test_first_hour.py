@@ -3,8 +3,15 @@ command that runs as printed, one-line warnings, the time estimate, the HTTP mod
 
 from __future__ import annotations
 
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+import headmoe.cli.generate as generate_cli
 from headmoe.cli.main import build_parser, main
 
 
@@ -22,3 +29,64 @@ def test_no_subcommand_accepts_a_prefix_of_a_flag(argv, flag, capsys):
     assert f"unrecognized arguments: {flag}" in err, err
     for name, sub in build_parser()._subparsers._group_actions[0].choices.items():
         assert sub.allow_abbrev is False, name
+
+
+def _printed_command(argv, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("Run it with: "))
+    return shlex.split(line.removeprefix("Run it with: "))
+
+
+@pytest.mark.parametrize("world", [1, 2, 8])
+@pytest.mark.parametrize("stream", [False, True])
+def test_plans_printed_command_runs_the_plan(world, stream, tmp_path, capsys, monkeypatch):
+    import headmoe.pipeline.job as job_module
+    from headmoe.release import folder as release
+
+    folder = release.tiny_release(tmp_path / "cache")
+    flags = ["--offload-layers", "--resident-layers", "1"] if stream else []
+    command = _printed_command(["plan", "--model", str(folder), "--world-size", str(world),
+                                "--text-tokens", "8", *flags], capsys)
+    assert command[:2] == ["headmoe", "generate"] and command[command.index("--model") + 1] \
+        == str(folder), command
+    assert ("--offload-layers" in command) == stream and ("--resident-layers" in command) == stream
+    jobs = []
+    monkeypatch.setattr(generate_cli, "launch_local", lambda fn, n, a: jobs.append((n, a[0])) or [])
+    monkeypatch.setattr(job_module, "run_job", lambda ctx, job: jobs.append((1, job)) or
+                        {"output": None})
+    monkeypatch.chdir(tmp_path)
+    assert main(command[1:]) == 0  # as printed: every check up to starting the ranks
+    (n, job), = jobs
+    assert n == world == job.parallel.world_size
+    assert job.offload_layers == stream and job.resident_layers == (1 if stream else 0)
+    req = job.request
+    assert (req.height, req.width, req.num_frames) == (64, 96, 13)  # the tiny recipe's
+
+
+def test_plans_printed_command_runs_as_printed(tmp_path, capsys):
+    """The printed line itself, in a shell, on 2 ranks with streamed layers."""
+    from headmoe.release import folder as release
+
+    folder = release.tiny_release(tmp_path / "cache")
+    command = _printed_command(["plan", "--model", str(folder), "--world-size", "2",
+                                "--offload-layers"], capsys)
+    exe = Path(sys.executable).with_name("headmoe")
+    line = " ".join(shlex.quote(a) for a in [str(exe), *command[1:], "--no-progress"])
+    out = subprocess.run(line, shell=True, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "output.mp4").is_file() and "on 2 rank(s)" in out.stdout
+
+
+def test_plan_refusal_and_json_name_the_ways_out(capsys):
+    assert main(["plan", "--world-size", "1"]) == 2
+    assert "--offload-layers" in capsys.readouterr().err
+    assert main(["plan", "--world-size", "16", "--json", "--seconds", "5",
+                 "--size", "448x256"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    command = data["command"]
+    assert command[0] == "torchrun" and command[command.index("--nnodes") + 1] == "2"
+    assert command[command.index("--size") + 1] == "448x256"
+    assert command[command.index("--num-frames") + 1] == "61"  # 5 s at 12.5 fps
+    assert data["request"]["video_latent"][1:] == [16, 28]
