@@ -274,10 +274,13 @@ def _frames(given: Mapping[str, Any], parsed: Mapping[str, Any], fps: float,
                       f"seconds={seconds:g} at fps={fps:g} means num_frames={frames}, "
                       f"which contradicts num_frames={parsed['num_frames']}; give one of them")
     notes = []
+    made = f"{frames} frames at {fps:g} fps = {frames / fps:.3g} s"
+    if not math.isclose(frames / fps, seconds, rel_tol=1e-9):
+        made += (f" (rounded down from {seconds:g} s: num_frames is 4k+1, the largest not "
+                 "above seconds x fps)")
     if seconds != RELEASED_SECONDS:
         notes.append(f"seconds={seconds:g} is headmoe's extension (the release makes "
-                     f"{RELEASED_SECONDS:g} s clips): {frames} frames at {fps:g} fps, "
-                     f"{frames / fps:.3g} s")
+                     f"{RELEASED_SECONDS:g} s clips): {made}")
     return frames, notes
 
 

@@ -90,3 +90,30 @@ def test_plan_refusal_and_json_name_the_ways_out(capsys):
     assert command[command.index("--size") + 1] == "448x256"
     assert command[command.index("--num-frames") + 1] == "61"  # 5 s at 12.5 fps
     assert data["request"]["video_latent"][1:] == [16, 28]
+
+
+def _launch_nothing(monkeypatch, tmp_path):
+    jobs = []
+    monkeypatch.setattr(generate_cli, "launch_local", lambda fn, n, a: jobs.append(a[0]) or [])
+    monkeypatch.chdir(tmp_path)
+    return jobs
+
+
+def test_unused_entries_are_one_line_and_rounding_is_said(tmp_path, capsys, monkeypatch):
+    from headmoe.release import folder as release
+
+    folder = release.tiny_release(tmp_path / "cache")
+    jobs = _launch_nothing(monkeypatch, tmp_path)
+    assert main(["generate", "--model", str(folder), "--prompt", "a fox", "--seconds", "1",
+                 "--nproc", "2", "--ulysses-degree", "2"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    unused = jobs[0].release.describe()["unused_entries"]
+    warning = [ln for ln in err if ln.startswith("headmoe: warning:")]
+    assert unused and warning == [
+        f"headmoe: warning: {len(unused)} component entries headmoe does not use (nor does the "
+        "reference), listed in the sidecar's release.unused_entries"], err
+    start = next(ln for ln in err if ln.startswith("headmoe: checked"))
+    assert "starting 2 rank(s), " in start and "CPU thread(s) each" in start, start
+    assert "9 frames at 12.5 fps = 0.72 s" in start, start
+    notes = jobs[0].extra["admission"]["notes"]  # the sidecar's admission.notes
+    assert any("0.72 s (rounded down from 1 s" in n for n in notes), notes

@@ -470,9 +470,27 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     rel.check_release(found)  # headers only, before any rank starts
     unused = rel.unused_entries(found)
     if unused and args.model != "tiny":  # the embedded folder has the release's, by design
-        print(f"headmoe: warning: entries headmoe does not use (nor does the reference), "
-              f"recorded in the sidecar: {'; '.join(unused)}", file=sys.stderr)
+        print(f"headmoe: warning: {len(unused)} component entries headmoe does not use (nor "
+              "does the reference), listed in the sidecar's release.unused_entries",
+              file=sys.stderr)
     return dataclasses.replace(found, unused=tuple(unused))
+
+
+def startup_line(job: Any, world: int) -> str:
+    """The line printed before the ranks start: the ranks and their CPU threads, and what
+    the request makes (size, frames, fps and seconds as rounded, steps)."""
+    from headmoe.distributed.context import rank_threads
+
+    env = torchrun_env()
+    threads = rank_threads(env.local_world_size if env is not None else world)
+    req = job.request
+    per = f", {threads} CPU thread(s) each" if threads else " (CUDA)"
+    made = (f"{req.width}x{req.height}, {req.num_frames} frames at {req.fps:g} fps = "
+            f"{req.num_frames / req.fps:.3g} s, {req.num_inference_steps} steps")
+    if job.refiner is not None:
+        made += f", then the refiner at {job.refiner.width}x{job.refiner.height}"
+    return (f"headmoe: checked the request and the model; starting {world} rank(s){per}; "
+            f"making {made}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -487,8 +505,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model == "tiny":
             print(f"headmoe: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
         if not args.no_progress:
-            print(f"headmoe: checked the request and the model; starting {world} rank(s)",
-                  file=sys.stderr, flush=True)
+            print(startup_line(job, world), file=sys.stderr, flush=True)
     if env is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
