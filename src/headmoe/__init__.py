@@ -1,6 +1,19 @@
 """headmoe: multi-head-MoE diffusion transformers (MAGI-2 family) across many accelerators."""
 
-from headmoe.config import ParallelConfig
+import os
+
+#: OpenMP settings headmoe's CPU ranks run with unless the environment sets them: a thread
+#: that has finished its part of a parallel region sleeps instead of spinning, so on a
+#: machine whose cores are shared (with other ranks, other jobs) a waiting thread does not
+#: take the core from the one everybody waits for (issue 31: 2 threads of one rank on 2
+#: shared cores spun 20x slower than one thread; docs/benchmarks.md section 11). They must
+#: be set before torch loads its OpenMP runtime, hence here, before any torch import.
+#: Speed only: the thread count and these settings do not change results.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+for _name, _value in OPENMP_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
+
+from headmoe.config import ParallelConfig  # noqa: E402
 
 __all__ = ["MIN_TORCH", "ParallelConfig", "__version__", "check_torch"]
 __version__ = "0.1.0"

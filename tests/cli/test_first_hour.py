@@ -117,3 +117,32 @@ def test_unused_entries_are_one_line_and_rounding_is_said(tmp_path, capsys, monk
     assert "9 frames at 12.5 fps = 0.72 s" in start, start
     notes = jobs[0].extra["admission"]["notes"]  # the sidecar's admission.notes
     assert any("0.72 s (rounded down from 1 s" in n for n in notes), notes
+
+
+def test_time_estimate_is_printed_before_ranks_and_max_time_refuses(tmp_path, capsys,
+                                                                     monkeypatch):
+    jobs = _launch_nothing(monkeypatch, tmp_path)
+    base = ["generate", "--prompt", "a fox", "--cache-dir", str(tmp_path / "cache"),
+            "--nproc", "2", "--ulysses-degree", "2"]
+    assert main(base) == 0 and len(jobs) == 1
+    start = next(ln for ln in capsys.readouterr().err.splitlines() if "starting" in ln)
+    assert "estimated ~" in start and jobs[0].extra["admission"]["time_estimate_s"] > 0, start
+    assert main([*base, "--num-inference-steps", "1000", "--max-time", "5"]) == 2
+    err = capsys.readouterr().err
+    assert len(jobs) == 1 and err.count("\n") == 1, err  # refused before any rank
+    assert "--num-inference-steps 1000" in err or "num-inference-steps=1000" in err, err
+    assert "estimated" in err and "max-time" in err and "5 s" in err, err
+
+
+def test_release_recipe_on_a_cpu_is_estimated_in_hours():
+    from headmoe.admission import Deployment, admit
+    from headmoe.errors import Refusal
+    from headmoe.models.magi2 import get_config
+
+    dep = Deployment(get_config("magi2-preview"), device="cpu", threads=2, max_time_s=3600)
+    with pytest.raises(Refusal) as exc:
+        admit({"prompt": "a red fox"}, dep)  # 540p, 125 frames, 100 steps
+    assert " h " in exc.value.message and "max_time=3600 s" in exc.value.message
+    small = admit({"prompt": "a red fox", "num_inference_steps": 1, "size": "96x64",
+                   "seconds": 2}, Deployment(get_config("tiny"), threads=1, max_time_s=3600))
+    assert small.time.seconds < 60

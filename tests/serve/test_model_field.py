@@ -1,5 +1,5 @@
-"""The HTTP ``model`` field (issue 31 point 7): the served model's Hugging Face id and preset
-names are accepted, and no answer names a server path."""
+"""Issue 31 over HTTP: the ``model`` field (point 7) takes the served model's Hugging Face
+id and preset names and no answer names a server path; ``--max-time`` (point 1) is a 422."""
 
 from __future__ import annotations
 
@@ -31,3 +31,16 @@ def test_model_field_takes_the_id_and_presets_never_a_path(tiny_cache, tmp_path)
     with pytest.raises(RequestError) as exc:
         admit_body(VideoCreate(prompt="a fox", model="tiny"), released)
     assert "/srv" not in exc.value.message and RELEASED_MODEL_ID in exc.value.message
+
+
+def test_max_time_over_http_is_422_naming_the_estimate(tiny_cache, tmp_path):
+    """A server refuses a request whose time estimate is over --max-time (default 3600 s)."""
+    from headmoe.cli.serve import SERVE_MAX_TIME_S
+
+    assert _serve_spec(tiny_cache, tmp_path).deployment.max_time_s == SERVE_MAX_TIME_S
+    spec = _serve_spec(tiny_cache, tmp_path, "--max-time", "5")
+    admit_body(VideoCreate(prompt="a fox", num_inference_steps=2), spec)
+    with pytest.raises(RequestError) as exc:
+        admit_body(VideoCreate(prompt="a fox", num_inference_steps=1000), spec)
+    assert exc.value.status == 422 and exc.value.param.startswith("num_inference_steps")
+    assert "estimated" in exc.value.message and "max_time=5 s" in exc.value.message

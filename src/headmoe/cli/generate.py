@@ -61,6 +61,7 @@ FLAGS: dict[str, str] = {
             "model_config",
             "output",
             "timeout",
+            "max_time",
             "video_decoder",
             "offload",
             "refiner_height",
@@ -372,7 +373,7 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     ranks use, the memory budget (``--max-memory-gib`` or the detected limit), the text
     encoder's token count."""
     from headmoe.cli.plan import stream_settings
-    from headmoe.distributed.context import rank_device
+    from headmoe.distributed.context import rank_device, rank_threads
     from headmoe.release.text_encoder import TokenCounter
 
     device = rank_device().type
@@ -381,7 +382,9 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     name = getattr(model_config, "name", "?")
     return Deployment(model_config, parallel, device, count, budget,
                       f"--model {args.model} (config {name})",
-                      stream_settings(args, model_config.num_layers))
+                      stream_settings(args, model_config.num_layers),
+                      threads=rank_threads(local_ranks(world)),
+                      max_time_s=checks.check_max_time(getattr(args, "max_time", None)))
 
 
 def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
@@ -480,6 +483,7 @@ def startup_line(job: Any, world: int) -> str:
     """The line printed before the ranks start: the ranks and their CPU threads, and what
     the request makes (size, frames, fps and seconds as rounded, steps)."""
     from headmoe.distributed.context import rank_threads
+    from headmoe.planner.time import format_seconds
 
     env = torchrun_env()
     threads = rank_threads(env.local_world_size if env is not None else world)
@@ -489,8 +493,10 @@ def startup_line(job: Any, world: int) -> str:
             f"{req.num_frames / req.fps:.3g} s, {req.num_inference_steps} steps")
     if job.refiner is not None:
         made += f", then the refiner at {job.refiner.width}x{job.refiner.height}"
+    estimate = job.extra.get("admission", {}).get("time_estimate_s")
+    took = "" if estimate is None else f"; estimated ~{format_seconds(estimate)} of steps"
     return (f"headmoe: checked the request and the model; starting {world} rank(s){per}; "
-            f"making {made}")
+            f"making {made}{took}")
 
 
 def run(args: argparse.Namespace) -> int:
