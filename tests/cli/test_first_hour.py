@@ -4,6 +4,7 @@ command that runs as printed, one-line warnings, the time estimate, the HTTP mod
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -146,3 +147,18 @@ def test_release_recipe_on_a_cpu_is_estimated_in_hours():
     small = admit({"prompt": "a red fox", "num_inference_steps": 1, "size": "96x64",
                    "seconds": 2}, Deployment(get_config("tiny"), threads=1, max_time_s=3600))
     assert small.time.seconds < 60
+
+
+def test_openmp_threads_sleep_unless_the_environment_says_otherwise():
+    """Point 3: the lone rank's 2 threads on 2 shared cores spun (20x slower); headmoe's
+    import makes a waiting OpenMP thread sleep before torch loads its runtime."""
+    code = ("import os; import headmoe, torch; "
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ['KMP_BLOCKTIME'])")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.stdout.split() == ["PASSIVE", "0"], out
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
+    assert out.stdout.split() == ["ACTIVE", "0"], out
