@@ -27,6 +27,12 @@ def _running(client) -> str:
     return job["id"]
 
 
+def _hashes(client) -> tuple[str, str]:
+    r = client.post("/v1/videos/sync", json=REQUEST, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.headers["x-video-sha256"], r.headers["x-audio-sha256"]
+
+
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_delete_and_sigterm_stop_inside_a_long_step(nproc, tmp_path, tiny_cache):
     layout = [] if nproc == 1 else ["--nproc", "4", "--ulysses-degree", "4"]
@@ -34,6 +40,7 @@ def test_delete_and_sigterm_stop_inside_a_long_step(nproc, tmp_path, tiny_cache)
                  *layout)
     try:
         with srv.client() as client:
+            before = _hashes(client)
             vid = _running(client)
             t0 = time.monotonic()
             assert client.delete(f"/v1/videos/{vid}").json()["cancel_requested"]
@@ -41,6 +48,7 @@ def test_delete_and_sigterm_stop_inside_a_long_step(nproc, tmp_path, tiny_cache)
             took = time.monotonic() - t0
             assert job["status"] == "cancelled" and job["steps_completed"] == 0, job
             assert took < BOUND_S, (took, srv.log())
+            assert _hashes(client) == before  # stopped mid-forward, still in lockstep
             vid = _running(client)
             t0 = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)

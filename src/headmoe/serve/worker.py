@@ -259,6 +259,21 @@ def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
             run_one(ctx, parts, spec, cmd, leader)
 
 
+def watch_signals(leader: Leader) -> None:
+    """Note a signal at once, even while the main thread is inside a long torch call (where
+    Python runs no handler until the call returns): the C handler writes the signal to a
+    wakeup pipe and a daemon thread marks the drain (`Leader.on_signal`)."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while os.read(read, 64):
+            leader.on_signal(0, None)
+
+    threading.Thread(target=watch, name="signals", daemon=True).start()
+
+
 def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | None, *,
                supervised: bool = False) -> None:
     """One rank of the server, from joining the world to a drained exit (returns normally).
@@ -271,6 +286,7 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         leader = Leader(spec, bind(spec.host, spec.port), watch_parent=supervised)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, leader.on_signal)
+        watch_signals(leader)
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
