@@ -262,7 +262,8 @@ def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
 def watch_signals(leader: Leader) -> None:
     """Note a signal at once, even while the main thread is inside a long torch call (where
     Python runs no handler until the call returns): the C handler writes the signal to a
-    wakeup pipe and a daemon thread marks the drain (`Leader.on_signal`)."""
+    wakeup pipe and a daemon thread starts the drain (`Leader.on_signal`, the queued jobs
+    cancelled)."""
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
@@ -270,6 +271,8 @@ def watch_signals(leader: Leader) -> None:
     def watch() -> None:
         while os.read(read, 64):
             leader.on_signal(0, None)
+            if not leader.store.draining:  # a thread, not a handler: it may take the lock
+                leader._start_drain()  # queued jobs cancelled now
 
     threading.Thread(target=watch, name="signals", daemon=True).start()
 
