@@ -1,7 +1,20 @@
 """headmoe: multi-head-MoE diffusion transformers (MAGI-2 family) across many accelerators."""
 
-from headmoe.config import ParallelConfig
-from headmoe.numerics import blas_mode
+import os
+
+#: OpenMP settings headmoe's CPU ranks run with unless the environment sets them: a thread
+#: that has finished its part of a parallel region sleeps instead of spinning, so on a
+#: machine whose cores are shared (with other ranks, other jobs) a waiting thread does not
+#: take the core from the one everybody waits for (issue 31: 2 threads of one rank on 2
+#: shared cores spun 20x slower than one thread; docs/benchmarks.md section 12). They must
+#: be set before torch loads its OpenMP runtime, hence here, before any torch import.
+#: Speed only: the thread count and these settings do not change results.
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+for _name, _value in OPENMP_DEFAULTS.items():
+    os.environ.setdefault(_name, _value)
+
+from headmoe.config import ParallelConfig  # noqa: E402
+from headmoe.numerics import blas_mode  # noqa: E402
 
 # before anything computes: oneMKL's thread-count-independent mode (headmoe.numerics)
 blas_mode()

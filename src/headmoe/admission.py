@@ -107,6 +107,10 @@ class Deployment:
     resident_refiner: bool = False
     """The refiner's weights stay on the device for every request (a server that loads
     ``refiner/`` at start), so a preview-only request counts them too."""
+    threads: int = 1
+    """torch threads per rank on a CPU (`set_rank_threads`'s count; the time estimate)."""
+    max_time_s: float | None = None
+    """``--max-time``: refuse a request whose time estimate is over it (None: no check)."""
 
     @property
     def recipe(self) -> Recipe:
@@ -128,10 +132,13 @@ class Admitted:
     given: dict[str, Any]
     refiner: Any = None
     """The `headmoe.pipeline.refine.RefinerStage` (1080p), or None."""
+    time: Any = None
+    """The `headmoe.planner.time.TimeEstimate` of the request on the deployment."""
 
     def describe(self) -> dict[str, Any]:
         """What the sidecar records (``admission``)."""
         return {"recipe": self.recipe, "sources": self.sources, "notes": self.notes,
+                "time_estimate_s": None if self.time is None else round(self.time.seconds, 1),
                 "given": {k: v for k, v in self.given.items()
                           if k not in ("prompt", "negative_prompt")},
                 "tokens": self.shape.to_dict(), "estimate_bytes": self.estimate.total,
@@ -276,10 +283,13 @@ def _frames(given: Mapping[str, Any], parsed: Mapping[str, Any], fps: float,
                       f"seconds={seconds:g} at fps={fps:g} means num_frames={frames}, "
                       f"which contradicts num_frames={parsed['num_frames']}; give one of them")
     notes = []
+    made = f"{frames} frames at {fps:g} fps = {frames / fps:.3g} s"
+    if not math.isclose(frames / fps, seconds, rel_tol=1e-9):
+        made += (f" (rounded down from {seconds:g} s: num_frames is 4k+1, the largest not "
+                 "above seconds x fps)")
     if seconds != RELEASED_SECONDS:
         notes.append(f"seconds={seconds:g} is headmoe's extension (the release makes "
-                     f"{RELEASED_SECONDS:g} s clips): {frames} frames at {fps:g} fps, "
-                     f"{frames / fps:.3g} s")
+                     f"{RELEASED_SECONDS:g} s clips): {made}")
     return frames, notes
 
 
@@ -380,7 +390,37 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
                       "smaller request, more ranks, or a larger --max-memory-gib")
     if refiner is not None:
         _check_refiner(given, dep, refiner, req, shape, est)
-    return Admitted(req, sources, notes, shape, est, dep.recipe.name, dict(given), refiner)
+    time = check_time(dep, req, shape, refiner)
+    return Admitted(req, sources, notes, shape, est, dep.recipe.name, dict(given), refiner,
+                    time)
+
+
+def check_time(dep: Deployment, req: GenerateRequest, shape: RequestShape,
+               refiner: Any) -> Any:
+    """The request's `TimeEstimate` (`headmoe.planner.time`), refused when over
+    ``dep.max_time_s`` naming the estimate and the fields that set it."""
+    from headmoe.planner.time import estimate_time, format_seconds
+
+    extra, extra_steps = 0.0, 0
+    if refiner is not None and dep.refiner_config is not None:
+        from headmoe.planner.refiner import refiner_work
+
+        thw = refiner.latent_thw(shape.video_latent[0])
+        work = refiner_work(dep.refiner_config, thw, max(shape.text_tokens))
+        extra, extra_steps = 2 * refiner.steps * work.flop, refiner.steps
+    est = estimate_time(dep.model_config, (shape.branch_tokens(0), shape.branch_tokens(1)),
+                        dep.parallel, req.num_inference_steps, dep.device, dep.threads, extra,
+                        extra_steps)
+    if dep.max_time_s is not None and est.seconds > dep.max_time_s:
+        raise Refusal("num_inference_steps,height,width,num_frames", req.num_inference_steps,
+                      f"{dep.describe or 'the model'}: num_inference_steps="
+                      f"{req.num_inference_steps}, height={req.height}, width={req.width}, "
+                      f"num_frames={req.num_frames} take an estimated "
+                      f"{format_seconds(est.seconds)} on {dep.parallel.world_size} "
+                      f"{dep.device} rank(s), over max_time={dep.max_time_s:g} s; use fewer "
+                      "steps, a smaller size, fewer frames, more ranks or a larger max_time "
+                      "(docs/guide.md, 'On a CPU')")
+    return est
 
 
 def _with_resident_refiner(est: MemoryEstimate, dep: Deployment,

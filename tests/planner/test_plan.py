@@ -75,7 +75,8 @@ def test_enumerate_world_8():
 
 
 def test_acceptance_ep4_is_three_quarters_of_ep8(capsys):
-    assert main(["--model", "magi2-preview", "--world-size", "8", "--json"]) == 0
+    assert main(["--model", "magi2-preview", "--world-size", "8", "--resolution", "272p",
+                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     sp8 = [x for x in out["layouts"] if (x["ulysses_degree"], x["cfg_parallel_size"]) == (8, 1)]
     rows = {(x["expert_parallel_size"], x["moe_exchange"]): x["busiest_moe_rows"] for x in sp8}

@@ -9,6 +9,7 @@ itself is admission's, `headmoe.admission`). Each raises `UserError` naming the 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output file (default: refuse)")
     add_memory_flag(p)
+    add_time_flag(p, None)
     p.add_argument("--check-weights", action="store_true",
                    help="read every tensor of the transformer checkpoint (and of a release's text "
                    "encoder and video and audio decoders) first and refuse NaN/Inf values")
@@ -43,6 +45,25 @@ def add_memory_flag(p: argparse.ArgumentParser, *aliases: str) -> None:
                    default=None,
                    help="memory one rank may use, replacing the detected limit (free device "
                    "memory, or available host memory / local ranks on CPU); 0: no check")
+
+
+def add_time_flag(p: argparse.ArgumentParser, default: float | None) -> None:
+    """``--max-time`` (generate: no default; serve: a server's default): refuse a request
+    whose time estimate (`headmoe.planner.time`) is over it."""
+    p.add_argument("--max-time", type=float, default=default, metavar="SECONDS",
+                   help="refuse a request whose time estimate (printed before the ranks "
+                   "start) is over this many seconds; 0: no check (default: "
+                   f"{'none' if default is None else f'{default:g}'})")
+
+
+def check_max_time(value: float | None) -> float | None:
+    """``--max-time`` as seconds or None (0: no check); `UserError` naming the flag."""
+    if value is None or value == 0:
+        return None
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(f"--max-time must be a positive number of seconds (0: no check), got "
+                        f"{value!r}")
+    return value
 
 
 def _utf8(text: str, what: str) -> str:

@@ -58,8 +58,9 @@ Runner = Callable[[list[str]], None]
 
 def _generate_actions() -> list[argparse.Action]:
     from headmoe.cli import generate
+    from headmoe.cli.main import Parser
 
-    top = argparse.ArgumentParser()
+    top = Parser()
     sub = top.add_subparsers()
     generate.register(sub)
     return [a for a in sub.choices["generate"]._actions if a.dest not in OWN_DESTS]
@@ -71,7 +72,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "compare",
         help="run one request under several layouts; compare times, bytes, hashes",
         description=__doc__.split("\n\n")[0],
-        allow_abbrev=False,  # --output is generate's, not an abbreviation of --output-dir
     )
     p.add_argument(
         "--layouts",
@@ -379,7 +379,9 @@ def run(args: argparse.Namespace, runner: Runner | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None, runner: Runner | None = None) -> int:
     """Entry point for tests and `python -m headmoe.cli.compare`."""
-    parser = argparse.ArgumentParser(prog="headmoe")
+    from headmoe.cli.main import Parser
+
+    parser = Parser(prog="headmoe")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
     return run_guarded(lambda: run(args, runner), "compare", False)

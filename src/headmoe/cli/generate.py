@@ -61,6 +61,7 @@ FLAGS: dict[str, str] = {
             "model_config",
             "output",
             "timeout",
+            "max_time",
             "video_decoder",
             "offload",
             "refiner_height",
@@ -381,7 +382,7 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     ranks use, the memory budget (``--max-memory-gib`` or the detected limit), the text
     encoder's token count."""
     from headmoe.cli.plan import stream_settings
-    from headmoe.distributed.context import rank_device
+    from headmoe.distributed.context import rank_device, rank_threads
     from headmoe.release.text_encoder import TokenCounter
 
     device = rank_device().type
@@ -390,7 +391,9 @@ def deployment(args: argparse.Namespace, model_config: Any, parallel: ParallelCo
     name = getattr(model_config, "name", "?")
     return Deployment(model_config, parallel, device, count, budget,
                       f"--model {args.model} (config {name})",
-                      stream_settings(args, model_config.num_layers))
+                      stream_settings(args, model_config.num_layers),
+                      threads=rank_threads(local_ranks(world)),
+                      max_time_s=checks.check_max_time(getattr(args, "max_time", None)))
 
 
 def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> Any:
@@ -480,9 +483,30 @@ def _release(args: argparse.Namespace, parallel: ParallelConfig):
     found = rel.check_release(found)  # headers only, before any rank starts
     unused = rel.unused_entries(found)
     if unused and args.model != "tiny":  # the embedded folder has the release's, by design
-        print(f"headmoe: warning: entries headmoe does not use (nor does the reference), "
-              f"recorded in the sidecar: {'; '.join(unused)}", file=sys.stderr)
+        print(f"headmoe: warning: {len(unused)} component entries headmoe does not use (nor "
+              "does the reference), listed in the sidecar's release.unused_entries",
+              file=sys.stderr)
     return dataclasses.replace(found, unused=tuple(unused))
+
+
+def startup_line(job: Any, world: int) -> str:
+    """The line printed before the ranks start: the ranks and their CPU threads, and what
+    the request makes (size, frames, fps and seconds as rounded, steps)."""
+    from headmoe.distributed.context import rank_threads
+    from headmoe.planner.time import format_seconds
+
+    env = torchrun_env()
+    threads = rank_threads(env.local_world_size if env is not None else world)
+    req = job.request
+    per = f", {threads} CPU thread(s) each" if threads else " (CUDA)"
+    made = (f"{req.width}x{req.height}, {req.num_frames} frames at {req.fps:g} fps = "
+            f"{req.num_frames / req.fps:.3g} s, {req.num_inference_steps} steps")
+    if job.refiner is not None:
+        made += f", then the refiner at {job.refiner.width}x{job.refiner.height}"
+    estimate = job.extra.get("admission", {}).get("time_estimate_s")
+    took = "" if estimate is None else f"; estimated ~{format_seconds(estimate)} of steps"
+    return (f"headmoe: checked the request and the model; starting {world} rank(s){per}; "
+            f"making {made}{took}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -497,8 +521,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model == "tiny":
             print(f"headmoe: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
         if not args.no_progress:
-            print(f"headmoe: checked the request and the model; starting {world} rank(s)",
-                  file=sys.stderr, flush=True)
+            print(startup_line(job, world), file=sys.stderr, flush=True)
     if env is not None:
         from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -21,9 +21,15 @@ SUBCOMMANDS: tuple[str, ...] = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """Flag errors as one ``headmoe: error: ...`` line (exit 2), like every other error,
-    with "did you mean" for a misspelt flag or subcommand."""
+    with "did you mean" for a misspelt flag or subcommand. No prefix matching, in any
+    subcommand (they are built with this class): ``serve --offload`` is refused, not read
+    as ``--offload-layers``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"headmoe: error: {message}{_suggestion(self, message)}, see '{self.prog} "
@@ -61,7 +67,7 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand of `SUBCOMMANDS` registered."""
-    parser = _Parser(
+    parser = Parser(
         prog="headmoe",
         description="Run MAGI-2-family multi-head-MoE diffusion transformers across ranks.",
     )
@@ -92,10 +98,10 @@ def _refuse_unknown_flags(parser: argparse.ArgumentParser, argv: list[str]) -> N
         name = token.split("=", 1)[0]
         if not name.startswith("--") or any(c.isspace() for c in token):
             continue
-        actions = [a for f, a in flags.items() if f.startswith(name)]
-        if not actions:
+        action = flags.get(name)
+        if action is None:
             unknown.append(token)
-        value_next = "=" not in token and any(a.nargs != 0 for a in actions)
+        value_next = "=" not in token and action is not None and action.nargs != 0
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
 

@@ -35,11 +35,18 @@ MAX_WORLD_SIZE = 4096
 
 
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
-    """Request-shape flags shared with `compare`'s prediction columns."""
-    p.add_argument("--height", type=int, default=256, help="pixels (default 256: 272p class)")
-    p.add_argument("--width", type=int, default=448, help="pixels (default 448)")
-    p.add_argument("--num-frames", type=int, default=125, help="output frames (default 125)")
-    p.add_argument("--fps", type=float, default=12.5, help="output frame rate (default 12.5)")
+    """Request-shape flags (`generate`'s names and rules; left out: the model's recipe)."""
+    p.add_argument("--height", type=int, default=None,
+                   help="pixels (default: the model's recipe, 512 for MAGI-2 Preview)")
+    p.add_argument("--width", type=int, default=None,
+                   help="pixels (default: the model's recipe, 896 for MAGI-2 Preview)")
+    p.add_argument("--size", default=None, metavar="WxH", help="width x height in pixels")
+    p.add_argument("--num-frames", type=int, default=None,
+                   help="output frames (default: the model's recipe, 125 for MAGI-2 Preview)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="clip length; frames = the largest 4k+1 <= seconds x fps")
+    p.add_argument("--fps", type=float, default=None,
+                   help="output frame rate (default: the model's recipe, 12.5)")
     p.add_argument(
         "--text-tokens",
         type=int,
@@ -105,8 +112,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
-        default="bf16",
-        help="transformer dtype: linears, experts, exchanged activations (default bf16)",
+        default=None,
+        help="transformer dtype: linears, experts, exchanged activations (default: the "
+        "model's recipe on a GPU, bf16 for MAGI-2 Preview)",
     )
     p.add_argument(
         "--memory-gib",
@@ -208,28 +216,35 @@ register = add_parser
 """The name `headmoe.cli.main` looks for."""
 
 
-def request_from_args(args: argparse.Namespace) -> RequestShape:
-    """The request shape of the flags, through admission's rules (`check_given`: ranges and
-    the decoders' geometry; `Refusal` names the field) and the text encoder's token limit;
-    ``--resolution`` (plan only) sets the preview's height and width (1080p: the 540p
-    preview of the refiner stage)."""
-    from headmoe.admission import check_given
+#: the fields of a request's shape `plan` takes (generate's flags of the same names)
+SHAPE_FIELDS = ("height", "width", "size", "num_frames", "seconds", "fps", "resolution")
+
+
+def request_from_args(args: argparse.Namespace, model: Any) -> RequestShape:
+    """The request shape of the flags, resolved by admission's rules (`resolve`: ranges,
+    contradictions, the decoders' geometry, the model's recipe for what is left out;
+    `Refusal` names the field) plus the text encoder's token limit. Sets ``args.shape``
+    (height, width, num_frames, fps as resolved) and ``args.dtype`` (the recipe's on a GPU
+    when not given) for the command `plan` prints."""
+    from headmoe.admission import check_geometry, resolve
+    from headmoe.pipeline.recipe import recipe_for
     from headmoe.pipeline.released import MAX_TEXT_TOKENS
 
     uncond = args.text_tokens if args.uncond_text_tokens is None else args.uncond_text_tokens
-    check_given({k: getattr(args, k) for k in ("height", "width", "num_frames", "fps")})
+    given = {k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k, None) is not None}
+    values, _, _ = resolve(given, recipe_for(model), "cuda")
+    check_geometry(values["num_frames"], values["height"], values["width"])
     for flag, value in (("--text-tokens", args.text_tokens), ("--uncond-text-tokens", uncond)):
         if not 1 <= value <= MAX_TEXT_TOKENS:
             raise UserError(f"{flag} must be in [1, {MAX_TEXT_TOKENS}] (the text encoder keeps "
                             f"at most {MAX_TEXT_TOKENS} tokens), got {value}")
-    height, width = args.height, args.width
-    if getattr(args, "resolution", None) is not None:
-        height, width = check_given({"resolution": args.resolution})["resolution"]
+    args.shape = {k: values[k] for k in ("height", "width", "num_frames", "fps")}
+    args.dtype = args.dtype or values["dtype"]
     return RequestShape.from_media(
-        height=height,
-        width=width,
-        num_frames=args.num_frames,
-        fps=args.fps,
+        height=values["height"],
+        width=values["width"],
+        num_frames=values["num_frames"],
+        fps=values["fps"],
         text_tokens=args.text_tokens,
         uncond_text_tokens=uncond,
     )
@@ -247,9 +262,10 @@ LEGEND = ("Per rank: MoE heads held (+ zero padding); MoE rows: the busiest rank
           "(--wide: every column).")
 
 
-def format_table(plans: list[LayoutPlan], reason: str, wide: bool = False) -> str:
+def format_table(plans: list[LayoutPlan], reason: str, wide: bool = False,
+                 command: str = "") -> str:
     """The plan as a Markdown table (`NARROW` columns, every column with ``wide``) plus
-    the recommendation: its reason and the `generate` flags that run it. "auto" marks the
+    the recommendation: its reason and ``command``, the command that runs it. "auto" marks the
     exchange mode the MoE layer's "auto" rule picks."""
     head = (
         "layout",
@@ -279,12 +295,17 @@ def format_table(plans: list[LayoutPlan], reason: str, wide: bool = False) -> st
         lines.append("\n" + LEGEND)
     best = next(p for p in plans if p.recommended)
     return "\n".join(lines) + (f"\n\nRecommended: {best.name} — {reason}.\nRun it with: "
-                               f"{recommended_command(best)}")
+                               f"{command or recommended_command(best)}")
 
 
 def recommended_command(plan: LayoutPlan) -> str:
-    """The `headmoe generate` flags of ``plan``'s layout (`--nproc` included; the flags at
-    generate's defaults left out)."""
+    """The `headmoe generate` layout flags of ``plan``'s layout (`--nproc` included; the
+    flags at generate's defaults left out)."""
+    return " ".join(["headmoe generate", *layout_argv(plan)])
+
+
+def layout_argv(plan: LayoutPlan) -> list[str]:
+    """`recommended_command`'s flags as a list."""
     from headmoe.cli.compare import layout_flags
     from headmoe.config import ParallelConfig
 
@@ -293,7 +314,59 @@ def recommended_command(plan: LayoutPlan) -> str:
         par = dataclasses.replace(par, moe_exchange=plan.moe_exchange)
     defaults = _flag_groups(layout_flags(ParallelConfig()))
     given = [g for g in _flag_groups(layout_flags(par)) if g[0] == "--nproc" or g not in defaults]
-    return " ".join(["headmoe generate", *(x for g in given for x in g)])
+    return [x for g in given for x in g]
+
+
+#: the ranks of one node the printed command assumes without --ranks-per-node (a node of
+#: 8 GPUs); a larger world is printed as a torchrun command over several nodes
+NODE_RANKS = 8
+#: what the printed command generates when plan cannot know the prompt
+PLACEHOLDER_PROMPT = "a red fox running through snow at dusk"
+#: the printed command's --model for a preset that names no folder
+PRESET_FOLDERS = {"magi2-preview": "/path/to/MAGI-2-preview"}
+
+
+def run_command(args: argparse.Namespace, plan: LayoutPlan, offload: bool) -> list[str]:
+    """The command line that runs ``plan`` as `plan` sized it (argv): the layout, the model,
+    the request's size and frames, the dtype, the components' and layers' placement and the
+    refiner stage; `--nproc` on one node, torchrun over ``NODE_RANKS`` (or
+    ``--ranks-per-node``) ranks per node for a larger world."""
+    node = args.ranks_per_node or min(args.world_size, NODE_RANKS)
+    layout = layout_argv(plan)
+    if node < args.world_size:
+        i = layout.index("--nproc")
+        del layout[i:i + 2]
+        head = ["torchrun", "--nnodes", str(-(-args.world_size // node)), "--nproc-per-node",
+                str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", "$HEAD:29500",
+                "--rdzv-id", "job1", "$(which headmoe)"]
+    else:
+        head = ["headmoe"]
+    model = PRESET_FOLDERS.get(args.model, args.model)
+    shape = args.shape
+    size = (["--resolution", args.resolution] if args.resolution is not None else
+            ["--size", f"{shape['width']}x{shape['height']}"])
+    argv = [*head, "generate", "--model", model, "--prompt", PLACEHOLDER_PROMPT, *size,
+            "--num-frames", str(shape["num_frames"]), "--fps", f"{shape['fps']:g}",
+            "--dtype", args.dtype, *layout]
+    for flag in ("refiner_height", "refiner_width", "refiner_steps"):
+        if getattr(args, flag) is not None:
+            argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    if args.video_decoder != "turbo":
+        argv += ["--video-decoder", args.video_decoder]
+    if offload:
+        argv.append("--offload")
+    if args.offload_layers:
+        argv.append("--offload-layers")
+        if args.resident_layers:
+            argv += ["--resident-layers", str(args.resident_layers)]
+    return argv
+
+
+def command_text(argv: list[str]) -> str:
+    """``argv`` as a shell line (the `$(which headmoe)` / `$HEAD` of torchrun unquoted)."""
+    import shlex
+
+    return " ".join(a if a.startswith("$") else shlex.quote(a) for a in argv)
 
 
 def _flag_groups(flags: list[str]) -> list[list[str]]:
@@ -364,10 +437,11 @@ def format_stream_table(plans: list[LayoutPlan]) -> str:
 
 
 def print_text(args: argparse.Namespace, model: Any, request: RequestShape, parts: Any,
-               plans: list[LayoutPlan], reason: str, streamed: bool, memory: int | None
-               ) -> None:
-    """The plan as text: the request and components, the layouts table, the streaming
-    table (`--offload-layers`), and the note on components over the budget."""
+               plans: list[LayoutPlan], reason: str, streamed: bool, over: bool,
+               command: list[str]) -> None:
+    """The plan as text: the request and components, the layouts table with the command
+    that runs the recommendation, the streaming table (`--offload-layers`), and the note on
+    components over the budget (``over``: the command has --offload for it)."""
     image = getattr(args, "image", False)
     print(
         f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
@@ -381,17 +455,20 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
            f"{request.image_tokens} image tokens per branch)" if image else "")
         + f"{' (offloaded to the host between uses)' if args.offload else ''}\n"
     )
-    print(format_table(plans, reason, getattr(args, "wide", False)))
+    print(format_table(plans, reason, getattr(args, "wide", False), command_text(command)))
+    if args.model in PRESET_FOLDERS:
+        print(f"({PRESET_FOLDERS[args.model]}: the downloaded release folder; `plan --model "
+              "FOLDER` reads its own configs)")
     if streamed:
         print("\nLayer streaming (--offload-layers; per rank unless marked; host: the "
               "page cache of the checkpoint's streamed bytes the node's ranks read, "
               "once, plus each rank's pinned slots):\n")
         print(format_stream_table(plans))
     best = next(p for p in plans if p.recommended)
-    if memory is not None and best.busiest_rank_bytes > memory and not args.offload:
+    if over:
         print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
               f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
-              f"{args.memory_gib:g}: run generate with --offload (components on the host "
+              f"{args.memory_gib:g}: the command above has --offload (components on the host "
               "between uses).")
 
 
@@ -417,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--world-size must be a positive number of ranks, at most "
                         f"{MAX_WORLD_SIZE:,}, got {args.world_size}, e.g. --world-size 8")
     model = model_from_arg(args)  # a ValueError is reported by headmoe.cli.errors
-    request = request_from_args(args)
+    request = request_from_args(args, model)
     if not (math.isfinite(args.memory_gib) and 0 <= args.memory_gib <= MAX_BUDGET_GIB):
         raise UserError(f"--memory-gib must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
                         f"(0: no limit), got {args.memory_gib!r}")
@@ -429,47 +506,43 @@ def run(args: argparse.Namespace) -> int:
     parts = component_bytes(args.release or args.model, args.video_decoder, image)
     if image:
         request = dataclasses.replace(request, image_tokens=image_rows(
-            *max_latent_size(args.height, args.width)))
+            *max_latent_size(args.shape["height"], args.shape["width"])))
     stream = stream_settings(args, model.num_layers)
     if not args.h2d_gbps > 0:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
                                parts, args.ranks_per_node, args.offload, stream, args.h2d_gbps)
     refiner_data, refiner_text = refiner_section(args, request, plans)
+    best = next(p for p in plans if p.recommended)
+    over = memory is not None and best.busiest_rank_bytes > memory and not args.offload
+    command = run_command(args, best, args.offload or over)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": model.name,
-                    "world_size": args.world_size,
-                    "dtype": args.dtype,
-                    "request": request.to_dict(),
-                    "components": {
-                        "text_encoder_bytes": parts.text_encoder,
-                        "video_decoder": args.video_decoder,
-                        "video_decoder_bytes": parts.video_decoder,
-                        "audio_decoder_bytes": parts.audio_decoder,
-                        "image_encoder_bytes": parts.image_encoder,
-                        "offload": args.offload,
-                        "ranks_per_node": args.ranks_per_node or args.world_size,
-                    },
-                    "recommendation": reason,
-                    "layouts": [p.to_dict() for p in plans],
-                    "refiner": refiner_data,
-                },
-                indent=2,
-            )
-        )
-    else:
-        print_text(args, model, request, parts, plans, reason, stream is not None, memory)
-        if refiner_text:
-            print("\n" + refiner_text)
+        print(json.dumps({
+            "model": model.name, "world_size": args.world_size, "dtype": args.dtype,
+            "request": request.to_dict(),
+            "components": {
+                "text_encoder_bytes": parts.text_encoder,
+                "video_decoder": args.video_decoder,
+                "video_decoder_bytes": parts.video_decoder,
+                "audio_decoder_bytes": parts.audio_decoder,
+                "image_encoder_bytes": parts.image_encoder,
+                "offload": args.offload,
+                "ranks_per_node": args.ranks_per_node or args.world_size,
+            },
+            "recommendation": reason, "command": command, "command_line": command_text(command),
+            "layouts": [p.to_dict() for p in plans], "refiner": refiner_data}, indent=2))
+        return 0
+    print_text(args, model, request, parts, plans, reason, stream is not None, over, command)
+    if refiner_text:
+        print("\n" + refiner_text)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point for tests and `python -m headmoe.cli.plan`."""
-    parser = argparse.ArgumentParser(prog="headmoe")
+    from headmoe.cli.main import Parser
+
+    parser = Parser(prog="headmoe")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
     return run_guarded(lambda: args.run(args), "plan", False)

@@ -28,10 +28,13 @@ from headmoe.admission import INPUT_FIELDS, admit
 from headmoe.errors import Refusal
 from headmoe.pipeline.request import DTYPES
 
+#: a server's default ``--max-time``: a request estimated over an hour is refused (422)
+SERVE_MAX_TIME_S = 3600.0
+
 
 def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
-    from headmoe.cli.checks import add_memory_flag
+    from headmoe.cli.checks import add_memory_flag, add_time_flag
     from headmoe.cli.generate import add_layout_flags
     from headmoe.cli.plan import add_stream_arguments
 
@@ -74,6 +77,7 @@ def register(subparsers: Any) -> None:
                    help="seconds SIGTERM lets the current job run before cancelling it "
                    "(default: 30)")
     add_memory_flag(p, "--memory-gib")
+    add_time_flag(p, SERVE_MAX_TIME_S)
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default: warning)")

@@ -61,11 +61,18 @@ def set_rank_threads(local_ranks: int) -> int:
     least 1: the cores this process may run on, not the machine's), so the ranks of a node
     share them; returns the count. On CUDA nothing (0; the GPU does the work). The one home
     of this rule (one-rank and launched `generate` ranks and `serve` ranks call it)."""
+    threads = rank_threads(local_ranks)
+    if threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
+def rank_threads(local_ranks: int) -> int:
+    """The torch threads `set_rank_threads` gives each of ``local_ranks`` ranks (0 on CUDA),
+    without setting them (the start-up line prints it)."""
     if torch.cuda.is_available():
         return 0
-    threads = max(1, available_cores() // max(1, local_ranks))
-    torch.set_num_threads(threads)
-    return threads
+    return max(1, available_cores() // max(1, local_ranks))
 
 
 @dataclass

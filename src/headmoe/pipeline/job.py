@@ -289,14 +289,25 @@ def refine(
     texts: list[torch.Tensor], on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """Step 2b (1080p): the refiner stage on the preview's final video latent; returns the
-    refined latent ``[2T - 1, H', W', C]`` and the step times. ``on_step`` sees the steps
-    of both stages counted together."""
+    refined latent ``[2T - 1, H', W', C]`` and the step times, with a progress bar like the
+    preview's. ``on_step`` sees the steps of both stages counted together (a server's job
+    progress)."""
     stage, n = job.refiner, job.request.num_inference_steps
     total = n + stage.steps
-    step = None if on_step is None else (lambda done, _: on_step(n + done, total))
-    with parts.refiner.active() as model:
-        return refine_stage(ctx, model, xv, texts, noise.generator, stage.height, stage.width,
-                            stage.steps, step)
+    bar = tqdm(total=stage.steps, desc=f"refining {stage.width}x{stage.height}", unit="step",
+               disable=not (job.progress and ctx.rank == 0))
+
+    def step(done: int, _: int) -> None:
+        bar.update(1)
+        if on_step is not None:
+            on_step(n + done, total)
+
+    try:
+        with parts.refiner.active() as model:
+            return refine_stage(ctx, model, xv, texts, noise.generator, stage.height,
+                                stage.width, stage.steps, step)
+    finally:
+        bar.close()
 
 
 def refiner_record(stage: Any, latent: torch.Tensor, infos: list[dict[str, Any]], dp: int

@@ -6,6 +6,9 @@ SandAI ``MAGI-2-preview`` and vLLM-Omni 0.30.0 ``MAGI2_GENERATION_CONFIG``)."""
 
 from __future__ import annotations
 
+#: the release's Hugging Face id (the name clients send as an HTTP request's ``model``)
+RELEASED_MODEL_ID = "sand-ai/MAGI-2-preview"
+
 #: denoising steps of the released recipe
 RELEASED_NUM_INFERENCE_STEPS = 100
 #: flow-matching time shift

@@ -277,6 +277,8 @@ def recommend(plans: list[LayoutPlan], memory_bytes: int | None) -> tuple[int, s
             f"memory budget {memory_bytes / GIB:.1f} GiB per rank fits no layout (the smallest "
             f"needs {least:.1f} GiB {what}), pass --memory-gib {math.ceil(least)} or more, "
             "or a larger --world-size"
+            + ("" if plans[0].streaming is not None else ", or --offload-layers (stream each "
+               "rank's layers from the checkpoint: docs/guide.md section 9)")
         )
     rows = _ranked_rows(plans)
     best = min(fits, key=lambda i: (_streamed(plans[i]), rows[i],

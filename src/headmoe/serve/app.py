@@ -81,7 +81,8 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        state = "draining" if store.draining else "ok" if store.ready else "loading"
+        draining = store.draining or store.signalled
+        state = "draining" if draining else "ok" if store.ready else "loading"
         return JSONResponse({"status": state}, status_code=200 if state == "ok" else 503)
 
     api = APIRouter(dependencies=[Depends(auth)])

@@ -50,6 +50,26 @@ class ServeSpec:
     """Stream the transformer's layers (``--offload-layers``; `GenerateJob`'s field)."""
     resident_layers: int = 0
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may give, none of them a server path: the
+        recipe's preset name (``magi2-preview`` / ``tiny``), the release's Hugging Face id
+        for a MAGI-2 Preview model, and ``--model`` when it is a preset name."""
+        from headmoe.models.magi2.config import PRESETS
+        from headmoe.pipeline.recipe import RELEASED, recipe_for
+        from headmoe.pipeline.released import RELEASED_MODEL_ID
+
+        try:
+            recipe = recipe_for(self.model_config)
+        except AttributeError:  # a stand-in config without a schema (tests)
+            recipe = None
+        names = [] if recipe is None else [recipe.name]
+        if recipe is RELEASED:
+            names.append(RELEASED_MODEL_ID)
+        if self.model in (*PRESETS, "tiny"):
+            names.append(self.model)
+        return tuple(dict.fromkeys(names))
+
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")

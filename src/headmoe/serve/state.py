@@ -88,6 +88,8 @@ class JobStore:
         self._jobs: dict[str, Job] = {}
         self._queue: deque[str] = deque()
         self.draining = False
+        self.signalled = False
+        """Set by rank 0's signal handler without the lock: draining, from that moment."""
         self.ready = False
         self.model_loads = 0
         self.model_load_s: float | None = None
@@ -104,7 +106,7 @@ class JobStore:
         job (``admission``: what its sidecar records of its admission); raises `Draining` or
         `QueueFull`."""
         with self._lock:
-            if self.draining:
+            if self.draining or self.signalled:
                 raise Draining("the server is shutting down and takes no new jobs")
             if len(self._queue) >= self.max_queue:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")

@@ -95,10 +95,11 @@ def admit_body(body: VideoCreate, spec: ServeSpec, image: bool = False) -> Admit
     """The admitted request of a parsed body under ``spec`` (the server's deployment and
     dtype; ``image``: it carries an I2V image); raises `RequestError` naming the field and
     its value."""
-    if body.model is not None and body.model not in (spec.model, spec.model_config.name):
-        raise RequestError(
-            f"model={body.model!r} is not served here (this server runs {spec.model!r})", "model"
-        )
+    names = spec.model_names
+    if body.model is not None and body.model not in names:
+        raise RequestError(f"model={show(body.model)} is not served here (this server serves "
+                           f"{' or '.join(map(repr, names)) or 'one unnamed model'}; or leave "
+                           "model out)", "model")
     given = body.model_dump(exclude={"model"}, exclude_none=True)
     try:
         return admit(given, spec.deployment, GIVEN_BY_REQUEST, fixed={"dtype": spec.dtype},

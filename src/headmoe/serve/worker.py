@@ -26,6 +26,7 @@ signals and follow rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -67,9 +69,19 @@ class Leader:
         self._thread: threading.Thread | None = None
 
     def on_signal(self, signum: int, frame: Any) -> None:
-        # only a flag: the handler runs in the main thread, maybe inside a store method
-        # holding its lock; the loop sees the flag within a tick or a step
+        # only flags: the handler runs in the main thread, maybe inside a store method
+        # holding its lock; /health and POST read ``signalled`` at once, the drain bound
+        # counts from now, and the ranks see it at the next layer (`layer_checks`)
+        self.store.signalled = True
         self.drain_requested = True
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.spec.drain_timeout_s
+
+    def stop_now(self) -> bool:
+        """Between two layers of the current job: cancel it now? (a cancel request, or the
+        drain bound passed; read without the store's lock)"""
+        late = self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
+        return late or (self.current is not None and self.current.cancel_requested)
 
     def start_http(self) -> None:
         """Serve the API on ``self.sock`` from a daemon thread."""
@@ -131,7 +143,7 @@ class Leader:
         self._last_step = now
         if self.drain_requested and not self.store.draining:
             self._start_drain()
-            self.drain_deadline = time.monotonic() + self.spec.drain_timeout_s
+            self.drain_deadline = self.drain_deadline or time.monotonic() + self.spec.drain_timeout_s
         late = self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
         return cancel or late
 
@@ -193,10 +205,16 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
         if wire.broadcast_flag(stop, device=device):
             raise JobCancelled
 
+    def on_layer() -> None:
+        if wire.broadcast_flag(leader.stop_now() if leader is not None else False,
+                               device=device):
+            raise JobCancelled
+
     ctx.counters.reset()
     result, outcome = None, {"rank": ctx.rank, "status": "completed", "message": None}
     try:
-        result = run_request(ctx, job, parts, on_step=on_step)
+        with layer_checks(parts, on_layer):
+            result = run_request(ctx, job, parts, on_step=on_step)
     except JobCancelled:
         outcome["status"] = "cancelled"
     except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
@@ -206,6 +224,27 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     outcomes = wire.all_gather_json(outcome, device=device)
     if leader is not None:
         leader.finish(outcomes, result)
+
+
+@contextlib.contextmanager
+def layer_checks(parts: Components, check: Callable[[], None]) -> Iterator[None]:
+    """Call ``check`` before every transformer layer of the job (the preview's layers, each
+    refiner layer's attention) while the block runs: every rank calls it at the same layer
+    of the same forward, so one broadcast there stops them all at that layer, whatever a
+    step costs (a cancel or the drain bound acts within a layer, not a step)."""
+    layers = []
+    model = getattr(parts.denoiser, "model", None)
+    if model is not None and hasattr(model, "block"):
+        layers += list(model.block.layers)
+    refiner = getattr(parts.refiner, "model", None)
+    if refiner is not None:
+        layers += [layer.attention for layer in refiner.block.layers]
+    handles = [m.register_forward_pre_hook(lambda *_: check()) for m in layers]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
@@ -220,6 +259,24 @@ def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
             run_one(ctx, parts, spec, cmd, leader)
 
 
+def watch_signals(leader: Leader) -> None:
+    """Note a signal at once, even while the main thread is inside a long torch call (where
+    Python runs no handler until the call returns): the C handler writes the signal to a
+    wakeup pipe and a daemon thread starts the drain (`Leader.on_signal`, the queued jobs
+    cancelled)."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while os.read(read, 64):
+            leader.on_signal(0, None)
+            if not leader.store.draining:  # a thread, not a handler: it may take the lock
+                leader._start_drain()  # queued jobs cancelled now
+
+    threading.Thread(target=watch, name="signals", daemon=True).start()
+
+
 def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | None, *,
                supervised: bool = False) -> None:
     """One rank of the server, from joining the world to a drained exit (returns normally).
@@ -232,6 +289,7 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         leader = Leader(spec, bind(spec.host, spec.port), watch_parent=supervised)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, leader.on_signal)
+        watch_signals(leader)
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
