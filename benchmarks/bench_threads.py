@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))  # `python benchmarks/bench_threads.py` from a clone
 #: request name -> (video latent grid, audio latents, text tokens per CFG branch)
 REQUESTS = {
     "README request (13 x 64 x 96)": ((4, 4, 6), 26, (12, 24)),
@@ -73,7 +74,10 @@ def worker(mode: str, ckpt_dir: str, dtype_name: str) -> None:
 
 
 def _start(mode: str, tmp: str, dtype: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    from headmoe import OPENMP_DEFAULTS
+
+    # both workers import torch before headmoe: they get headmoe's OpenMP defaults from here
+    env = {**OPENMP_DEFAULTS, **{k: v for k, v in os.environ.items() if k != "MKL_CBWR"}}
     env["PYTHONPATH"] = str(REPO / "src")
     proc = subprocess.Popen([sys.executable, __file__, "--worker", mode, tmp, "--dtype", dtype],
                             env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
