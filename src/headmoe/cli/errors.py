@@ -40,7 +40,7 @@ def _launch_message(exc: BaseException) -> tuple[int, str]:
     from headmoe.distributed.launch import failure_order
 
     summaries = getattr(exc, "summaries", None) or getattr(exc, "failures", {})
-    ranks = failure_order(summaries)  # the root cause first
+    ranks = failure_order(summaries, getattr(exc, "times", None))  # the root cause first
     first = ranks[0]
     text = one_line(summaries[first])
     kind, _, rest = text.partition(": ")

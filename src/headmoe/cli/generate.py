@@ -6,16 +6,15 @@ layout); errors name the flags. Then:
 
 - under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) this process is one rank of that world;
 - with ``--nproc 1`` the job runs in this process;
-- with ``--nproc N`` N local ranks start through torch's elastic launcher (spawn, no
-  restarts, Gloo on CPU / NCCL on GPU). If any rank fails, the others are stopped, the
-  failing rank's message is printed and the exit code is 1.
+- with ``--nproc N`` N local ranks start through `headmoe.distributed.launch` (spawn, its
+  store, Gloo on CPU / NCCL on GPU). If any rank fails, the others are stopped after the
+  launcher's grace, the failing rank's message is printed and the exit code is 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import re
 import sys
 import time
@@ -531,8 +530,6 @@ def run(args: argparse.Namespace) -> int:
         ctx = ParallelContext.single(job.parallel, device=rank_device())
         results = [run_job(ctx, job)]
     else:
-        for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
         results = launch_local(launched_rank, world, (job,))
     for res in results:
         if res["output"]:

@@ -1,42 +1,69 @@
-"""Start local ranks through torch's elastic launcher, or join a torchrun world.
+"""The one launcher of local ranks (generate, serve, the test harness), or a torchrun world.
 
-    results = launch_local(fn, nproc=4, args=(job,))   # fn(*args) on 4 spawned ranks
+    results = launch_local(fn, nproc, args=(job,))   # fn(*args) on nproc spawned ranks
 
-`launch_local` runs one single-node elastic job (spawn start method, `max_restarts=0`, c10d
-rendezvous on a free loopback port). Each rank finds RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its environment exactly as under torchrun,
-so the same rank function serves both: `torchrun_env()` reads them (None outside such a
-world). If any rank fails, the launcher stops the others and `launch_local` raises
-`LaunchFailure` with every failed rank's message (its exception's traceback, recorded by
-torch's error-file mechanism, or the signal that killed it).
+    with LocalRanks(fn, nproc, args) as ranks:        # the same, watched by the caller
+        ranks.signal(0, signal.SIGTERM); ranks.deadline = time.monotonic() + 30
+        results = ranks.wait()
+
+- **Start**: ``nproc`` processes of the spawn start method, each running ``fn(*args)``; a
+  rank dies with its launcher (`exit_with_parent`), so a ``kill -9`` of the launcher frees
+  every port at once.
+- **Rendezvous**: the launcher hosts the job's `TCPStore` on a free loopback port; each rank
+  finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+  ``TORCHELASTIC_USE_AGENT_STORE=True`` in its environment exactly as under torchrun, so it
+  joins with ``init_method="env://"`` as a client of that store (as torchrun's ranks join
+  their agent's), and the same rank code serves both: `torchrun_env` reads them (None
+  outside such a world). Under torchrun nothing here starts: torchrun is the launcher.
+- **Error files**: each rank's outcome is one file in the launch's temp folder, written
+  atomically (`headmoe.files.atomic_write`): ``rank<k>.result`` (its return value, pickled
+  by value: never storage passed as file descriptors that outlive the rank) or
+  ``rank<k>.error`` (JSON: time, exception type, one-line summary, traceback).
+- **Failure report**: the first failure starts `FAILURE_GRACE_S` for the other ranks to
+  record theirs; those still running then are killed and named (``hung``). `LaunchFailure`
+  carries every failed rank's traceback, one-line summary and time; `failure_order` puts
+  the root cause first (a rank killed by a signal, then one naming a hung peer, then the
+  earliest, then the lowest rank).
+- **Bounded waits**: every wait polls every `POLL_S` against a deadline; ``wait(timeout)``
+  or `LocalRanks.deadline` passing kills what still runs and raises `LaunchTimeout`;
+  leaving the ``with`` (any exception, a signal) sends SIGTERM, then SIGKILL after the
+  grace.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import multiprocessing as mp
 import os
+import pickle
+import shutil
 import signal
 import sys
-import uuid
-from collections.abc import Callable, Mapping
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from pathlib import Path
+from typing import Any, NoReturn
 
 from headmoe.config import is_int
+from headmoe.files import atomic_write
 
 #: seconds the other ranks get to exit once one rank failed; those still running then are
-#: killed and named (every launcher: `launch_local`'s callers, serve's supervisor, the test
-#: harness `headmoe.testing.run_ranks`)
+#: killed and named (every launch: generate's ranks, serve's, the test harness's)
 FAILURE_GRACE_S = 10.0
+#: seconds between two looks at the ranks
+POLL_S = 0.1
 #: how a killed rank's failure reads (`failure_order` puts it first)
 KILLED = "killed by signal"
 #: how a rank that names a hung peer reads (`headmoe.distributed.watchdog`)
 HUNG_PEER = "stopped responding"
 #: prctl option: the signal a process receives when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
+#: the loopback address the launcher's store listens on
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -50,15 +77,37 @@ class RankEnv:
 
 
 class LaunchFailure(RuntimeError):
-    """One or more ranks failed; ``failures`` maps global rank -> message (traceback),
-    ``summaries`` rank -> one line (``ExceptionType: message`` or the signal)."""
+    """One or more ranks failed. ``failures``: global rank -> message (its traceback, or
+    the signal); ``summaries``: rank -> one line (``ExceptionType: message`` or the
+    signal); ``times``: rank -> when it recorded its failure (where it did); ``hung``: the
+    ranks still running when the others were killed after the grace."""
 
-    def __init__(self, failures: dict[int, str], summaries: dict[int, str] | None = None):
+    def __init__(self, failures: dict[int, str], summaries: dict[int, str] | None = None, *,
+                 times: dict[int, float] | None = None, hung: Sequence[int] = ()):
         self.failures = failures
         self.summaries = summaries or {r: m.strip().splitlines()[-1] if m.strip() else m
                                        for r, m in failures.items()}
+        self.times = dict(times or {})
+        self.hung = list(hung)
         parts = [f"--- rank {r} failed ---\n{msg}" for r, msg in sorted(failures.items())]
+        if self.hung:
+            parts.append(f"ranks still running when killed after the failure: {self.hung}")
         super().__init__(f"{len(failures)} rank(s) failed\n" + "\n".join(parts))
+
+    @property
+    def order(self) -> list[int]:
+        """The failed ranks, the root cause first (`failure_order`)."""
+        return failure_order(self.failures, self.times)
+
+
+class LaunchTimeout(TimeoutError):
+    """Ranks still ran when the launch's deadline passed; ``hung`` lists them (killed)."""
+
+    def __init__(self, hung: list[int], timeout: float):
+        self.hung = hung
+        self.timeout = timeout
+        names = ", ".join(f"rank {r}" for r in hung)
+        super().__init__(f"timed out after {timeout:.0f} s waiting for {names} (killed)")
 
 
 def failure_order(failures: Mapping[int, str],
@@ -93,7 +142,7 @@ def exit_with_parent() -> None:
 
 
 def torchrun_env() -> RankEnv | None:
-    """The world this process was started in by torchrun or `launch_local` (RANK, WORLD_SIZE
+    """The world this process was started in by torchrun or `LocalRanks` (RANK, WORLD_SIZE
     and LOCAL_RANK all set), else None. Raises `ValueError` naming a variable that is set but
     not an int."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -111,64 +160,191 @@ def torchrun_env() -> RankEnv | None:
     )
 
 
-def launch_local(
-    fn: Callable[..., Any],
-    nproc: int,
-    args: tuple = (),
-    *,
-    run_id: str | None = None,
-) -> list[Any]:
-    """Run ``fn(*args)`` on ``nproc`` spawned local ranks; return their results in rank order.
+# ---------------------------------------------------------------------- the error files
+def result_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.result"
 
-    ``fn`` must be a picklable module-level function that reads its rank from the environment (`torchrun_env`) and initialises its process
-    group with ``init_method="env://"``. Raises `ValueError` for ``nproc < 1`` and
-    `LaunchFailure` if any rank fails (the others are then stopped).
-    """
-    if not is_int(nproc) or nproc < 1:
-        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=run_id or uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        start_method="spawn",
-        monitor_interval=0.1,
-    )
+
+def error_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank{rank}.error"
+
+
+def write_error(folder: Path, rank: int, exc: BaseException) -> None:
+    """In a failing rank (inside its ``except``): ``rank<k>.error`` with the time, the
+    exception's type, its one-line summary (``Type: message``) and the traceback."""
+    kind = type(exc).__name__
+    message = " ".join(str(exc).split())
+    record = {"time": time.time(), "type": kind,
+              "summary": f"{kind}: {message}" if message else kind,
+              "traceback": traceback.format_exc()}
+    atomic_write(error_path(folder, rank), lambda tmp: Path(tmp).write_text(json.dumps(record)))
+
+
+@dataclass(frozen=True)
+class RankError:
+    """One rank's failure as its error file or exit code tells it: ``text`` (traceback, or
+    ``killed by signal N``, or ``exited with code N``), one-line ``summary``, ``time``
+    (when the rank recorded it; None without a record)."""
+
+    text: str
+    summary: str
+    time: float | None = None
+
+
+def read_error(folder: Path, rank: int, exitcode: int | None) -> RankError | None:
+    """Rank ``rank``'s failure: killed by a signal (negative ``exitcode``, whatever it
+    wrote), else its error file, else a non-zero exit code; None if it has not failed."""
+    if exitcode is not None and exitcode < 0:
+        text = f"{KILLED} {-exitcode}"
+        return RankError(text, text)
+    path = error_path(folder, rank)
+    if path.exists():
+        record = json.loads(path.read_text())
+        return RankError(record["traceback"], record["summary"], float(record["time"]))
+    if exitcode not in (None, 0):
+        text = f"exited with code {exitcode}"
+        return RankError(text, text)
+    return None
+
+
+def _rank_entry(fn: Callable[..., Any], args: tuple, rank: int, nproc: int, port: int,
+                folder: str) -> None:
+    """A spawned rank: join the launcher's world (see the module doc), run ``fn(*args)``,
+    record the result or the failure, exit 0 or 1."""
+    exit_with_parent()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE=str(True))
+    out = Path(folder)
     try:
-        results = elastic_launch(config, fn)(*args)
-    except ChildFailedError as exc:
-        raise LaunchFailure(
-            {rank: _failure_message(f) for rank, f in exc.failures.items()},
-            {rank: _failure_summary(f) for rank, f in exc.failures.items()},
-        ) from None
-    return [results[r] for r in range(nproc)]
+        data = pickle.dumps(fn(*args))  # by value
+        atomic_write(result_path(out, rank), lambda tmp: Path(tmp).write_bytes(data))
+    except BaseException as exc:  # noqa: BLE001 - the launcher reports it
+        write_error(out, rank, exc)
+        sys.exit(1)
 
 
-def _failure_message(failure: Any) -> str:
-    data = getattr(failure, "error_file_data", None) or {}
-    inner = data.get("message", {}) if isinstance(data, dict) else {}
-    text = ""
-    if isinstance(inner, dict):
-        text = inner.get("extraInfo", {}).get("py_callstack") or inner.get("message", "")
-    text = str(text or failure.message or "").strip()
-    if failure.exitcode is not None and failure.exitcode < 0:
-        return f"{KILLED} {-failure.exitcode}"
-    return text or f"exited with code {failure.exitcode}"
+# ---------------------------------------------------------------------- the launcher
+class LocalRanks:
+    """``fn(*args)`` on ``nproc`` spawned local ranks (see the module doc). ``fn`` must be a
+    picklable module-level function; it reads its rank from the environment (`torchrun_env`)
+    and joins with ``init_method="env://"``. Use as a context manager: entering starts the
+    ranks, leaving stops what still runs and removes the temp folder. ``deadline``: a
+    `time.monotonic` time after which `wait` gives up (settable while waiting)."""
+
+    def __init__(self, fn: Callable[..., Any], nproc: int, args: tuple = (), *,
+                 name: str = "headmoe-rank"):
+        if not is_int(nproc) or nproc < 1:
+            raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+        self.fn, self.nproc, self.args, self.name = fn, nproc, args, name
+        self.deadline: float | None = None
+        self.procs: list[Any] = []
+        self.folder: Path | None = None
+        self._store: Any = None
+
+    def __enter__(self) -> LocalRanks:
+        from torch.distributed import TCPStore
+
+        self.folder = Path(tempfile.mkdtemp(prefix="headmoe-launch-"))
+        try:
+            self._store = TCPStore(LOOPBACK, 0, is_master=True, wait_for_workers=False)
+            ctx = mp.get_context("spawn")
+            for r in range(self.nproc):
+                p = ctx.Process(target=_rank_entry, name=f"{self.name}{r}",
+                                args=(self.fn, self.args, r, self.nproc, self._store.port,
+                                      str(self.folder)))
+                p.start()
+                self.procs.append(p)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop(signal.SIGTERM)
+        self._store = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def signal(self, rank: int, signum: int) -> None:
+        """Send ``signum`` to rank ``rank`` (if it still runs)."""
+        p = self.procs[rank]
+        if p.is_alive():
+            os.kill(p.pid, signum)
+
+    def alive(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs) if p.is_alive()]
+
+    def _stop(self, first: int | None) -> None:
+        """Send ``first`` (None: nothing) to what still runs, SIGKILL what is left after the
+        grace, join every rank."""
+        for p in self.procs:
+            if first is not None and p.is_alive():
+                os.kill(p.pid, first)
+        end = time.monotonic() + (FAILURE_GRACE_S if first != signal.SIGKILL else 0.0)
+        while self.alive() and time.monotonic() < end:
+            time.sleep(POLL_S)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=FAILURE_GRACE_S)
+
+    def _look(self, results: dict[int, Any], errors: dict[int, RankError]) -> None:
+        """Record every rank that finished since the last look."""
+        assert self.folder is not None
+        for r, p in enumerate(self.procs):
+            if r in results or r in errors:
+                continue
+            code = p.exitcode
+            error = read_error(self.folder, r, code)
+            if error is not None:
+                errors[r] = error
+            elif result_path(self.folder, r).exists():
+                results[r] = pickle.loads(result_path(self.folder, r).read_bytes())  # ours
+            elif code == 0:
+                errors[r] = RankError("exited with code 0 without a result",
+                                      "exited with code 0 without a result")
+
+    def wait(self, timeout: float | None = None) -> list[Any]:
+        """Every rank's return value in rank order, once all have finished. Raises
+        `LaunchFailure` (the grace after the first failure, then the rest killed) or
+        `LaunchTimeout` (``timeout`` seconds, or `deadline`, passed)."""
+        if timeout is not None:
+            self.deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        results: dict[int, Any] = {}
+        errors: dict[int, RankError] = {}
+        while True:
+            self._look(results, errors)
+            if len(results) == self.nproc:
+                self._stop(None)  # they are exiting: the grace, then killed
+                return [results[r] for r in range(self.nproc)]
+            if errors:
+                self._fail(results, errors)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                hung = [r for r in range(self.nproc) if r not in results]
+                self._stop(signal.SIGKILL)
+                raise LaunchTimeout(hung, time.monotonic() - start if timeout is None
+                                    else timeout)
+            time.sleep(POLL_S)
+
+    def _fail(self, results: dict[int, Any], errors: dict[int, RankError]) -> NoReturn:
+        end = time.monotonic() + FAILURE_GRACE_S
+        while len(results) + len(errors) < self.nproc and time.monotonic() < end:
+            time.sleep(POLL_S)
+            self._look(results, errors)
+        hung = [r for r in range(self.nproc) if r not in results and r not in errors]
+        self._stop(signal.SIGKILL)
+        raise LaunchFailure({r: e.text for r, e in errors.items()},
+                            {r: e.summary for r, e in errors.items()},
+                            times={r: e.time for r, e in errors.items() if e.time is not None},
+                            hung=hung)
 
 
-def _failure_summary(failure: Any) -> str:
-    """One line: the exception as ``Type: message`` (the error file's own summary), or the
-    signal that killed the rank."""
-    if failure.exitcode is not None and failure.exitcode < 0:
-        return f"{KILLED} {-failure.exitcode}"
-    data = getattr(failure, "error_file_data", None) or {}
-    inner = data.get("message", {}) if isinstance(data, dict) else {}
-    text = inner.get("message", "") if isinstance(inner, dict) else str(inner)
-    text = str(text or "").strip()
-    if not text:
-        lines = _failure_message(failure).splitlines()
-        text = lines[-1] if lines else ""
-    return " ".join(text.split()) or f"exited with code {failure.exitcode}"
+def launch_local(fn: Callable[..., Any], nproc: int, args: tuple = (), *,
+                 timeout: float | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` spawned local ranks (`LocalRanks`); their return
+    values in rank order. Raises `ValueError` for ``nproc < 1``, `LaunchFailure` if any
+    rank fails, `LaunchTimeout` if ``timeout`` seconds pass first."""
+    with LocalRanks(fn, nproc, args) as ranks:
+        return ranks.wait(timeout)

@@ -3,88 +3,49 @@
     results = run_ranks(fn, 4, args=(x,), timeout=120)
 
 `fn(rank, world_size, *args, **kwargs)` runs in a fresh *spawned* process per rank, with
-one torch thread and the default Gloo group already initialised over a temp-file
-rendezvous; its (picklable) return value lands in `results[rank]`. `fn` must be a
+one torch thread and the default Gloo group already initialised (``env://`` over the
+launcher's store: `headmoe.distributed.launch`, the launcher of generate and serve too);
+its (picklable) return value lands in `results[rank]`, by value. `fn` must be a
 module-level function of an importable module.
 
 Failures: if any rank raises, `RankFailure` carries every failed rank's traceback (ranks
-still blocked in a collective are killed after a short grace period and named). If the
-ranks do not all finish within `timeout` seconds, `RankTimeout` names the ranks that did
-not, after killing them.
+still blocked in a collective are killed after the launcher's grace period and named in
+``hung``). If the ranks do not all finish within `timeout` seconds, `RankTimeout` names the
+ranks that did not, after killing them.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
-import queue as queue_mod
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from headmoe.config import is_int
-from headmoe.distributed.launch import FAILURE_GRACE_S
+from headmoe.distributed.launch import LaunchFailure, LaunchTimeout, launch_local, torchrun_env
+
+#: one or more ranks raised: ``failures`` rank -> traceback, ``hung`` the ranks killed
+RankFailure = LaunchFailure
+#: some ranks did not finish in time: ``hung`` lists them (killed)
+RankTimeout = LaunchTimeout
 
 
-class RankFailure(RuntimeError):
-    """One or more ranks raised; the message holds each failed rank's traceback."""
-
-    def __init__(self, failures: dict[int, str], hung: list[int]):
-        self.failures = failures
-        self.hung = hung
-        parts = [f"--- rank {r} failed ---\n{tb}" for r, tb in sorted(failures.items())]
-        if hung:
-            parts.append(f"ranks still running when killed after the failure: {hung}")
-        super().__init__(f"{len(failures)} rank(s) failed\n" + "\n".join(parts))
-
-
-class RankTimeout(TimeoutError):
-    """Some ranks did not finish in time; `hung` lists them."""
-
-    def __init__(self, hung: list[int], timeout: float):
-        self.hung = hung
-        names = ", ".join(f"rank {r}" for r in hung)
-        super().__init__(f"timed out after {timeout:.0f} s waiting for {names} (killed)")
-
-
-def _worker(
-    fn: Callable[..., Any],
-    rank: int,
-    world_size: int,
-    init_file: str,
-    timeout_s: float,
-    init_group: bool,
-    args: tuple,
-    kwargs: dict,
-    results: Any,
-) -> None:
+def _harness_rank(fn: Callable[..., Any], timeout_s: float, init_group: bool, args: tuple,
+                  kwargs: dict) -> Any:
+    """One spawned rank: one torch thread, the default Gloo group (every rank's mesh
+    complete before any rank may fail and close its pairs), ``fn``, the group destroyed."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    env = torchrun_env()
+    assert env is not None  # started by the launcher
     try:
         if init_group:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"file://{init_file}",
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
-            )
-            # every rank's mesh is complete before any rank may fail and close its pairs
+            dist.init_process_group("gloo", init_method="env://",
+                                    timeout=timedelta(seconds=timeout_s))
             dist.barrier()
-        out = fn(rank, world_size, *args, **kwargs)
-        # By value: torch's queue pickler would pass tensor storage as file descriptors that
-        # the parent fetches from this process later, which fails once this rank has exited.
-        results.put(("ok", rank, pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put(("err", rank, traceback.format_exc()))
+        return fn(env.rank, env.world_size, *args, **kwargs)
     finally:
         if init_group and dist.is_initialized():
             try:
@@ -104,77 +65,14 @@ def run_ranks(
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` spawned Gloo ranks.
 
-    Returns the per-rank return values in rank order. Raises `RankFailure` or `RankTimeout`
-    (see the module docstring). `init_group=False` leaves process-group creation to `fn`.
+    Returns the per-rank return values in rank order. Raises `ValueError` for a bad
+    ``world_size``, `RankFailure` or `RankTimeout` (see the module docstring).
+    `init_group=False` leaves process-group creation to `fn`.
     """
     if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    tmpdir = tempfile.mkdtemp(prefix="headmoe-rdzv-")
-    init_file = os.path.join(tmpdir, "rendezvous")
-    procs = []
-    for rank in range(world_size):
-        p = ctx.Process(
-            target=_worker,
-            args=(fn, rank, world_size, init_file, timeout, init_group, args, kwargs or {},
-                  results),
-            daemon=True,
-        )
-        p.start()
-        procs.append(p)
-    try:
-        outputs, failures = _collect(results, procs, timeout)
-        pending = sorted(set(range(world_size)) - set(outputs) - set(failures))
-    finally:
-        _reap(procs, init_file, tmpdir)
-    if failures:
-        raise RankFailure(failures, pending)
-    if pending:
-        raise RankTimeout(pending, timeout)
-    return [outputs[r] for r in range(world_size)]
-
-
-def _collect(results: Any, procs: list, timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
-    """Every rank's result or failure until all reported, `timeout` passed, or
-    `FAILURE_GRACE_S` after the first failure."""
-    outputs: dict[int, Any] = {}
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    while len(outputs) + len(failures) < len(procs):
-        now = time.monotonic()
-        if failures:
-            deadline = min(deadline, now + FAILURE_GRACE_S)
-        if now >= deadline:
-            break
-        try:
-            status, rank, payload = results.get(timeout=min(0.2, deadline - now))
-        except queue_mod.Empty:
-            # A process that died without reporting (segfault, os._exit) is a failure.
-            for rank, p in enumerate(procs):
-                if (not p.is_alive() and rank not in outputs and rank not in failures
-                        and p.exitcode not in (None, 0)):
-                    failures[rank] = f"process exited with code {p.exitcode} without a result"
-            continue
-        if status == "ok":
-            outputs[rank] = pickle.loads(payload)  # our own spawned rank's bytes
-        else:
-            failures[rank] = payload
-    return outputs, failures
-
-
-def _reap(procs: list, init_file: str, tmpdir: str) -> None:
-    """Kill what still runs, join everything, remove the rendezvous files."""
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(timeout=10)
-    for remove, path in ((os.remove, init_file), (os.rmdir, tmpdir)):
-        try:
-            remove(path)
-        except OSError:
-            pass
+    return launch_local(_harness_rank, world_size,
+                        (fn, timeout, init_group, args, kwargs or {}), timeout=timeout)
 
 
 def spawned_rank_pids(parent: int) -> list[int]:
