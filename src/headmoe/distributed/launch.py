@@ -26,12 +26,14 @@
   earliest, then the lowest rank).
 - **Bounded waits**: every wait polls every `POLL_S` against a deadline; ``wait(timeout)``
   or `LocalRanks.deadline` passing kills what still runs and raises `LaunchTimeout`;
-  leaving the ``with`` (any exception, a signal) sends SIGTERM, then SIGKILL after the
-  grace.
+  leaving the ``with`` early (an exception, Ctrl-C, SIGTERM) sends the ranks SIGINT, the
+  stop they all handle (`headmoe.distributed.watchdog.interrupt_once`: a clean unwind,
+  temp files removed), then SIGKILL after the grace.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import multiprocessing as mp
@@ -216,12 +218,19 @@ def _rank_entry(fn: Callable[..., Any], args: tuple, rank: int, nproc: int, port
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE=str(True))
     out = Path(folder)
+    code = 0
     try:
         data = pickle.dumps(fn(*args))  # by value
         atomic_write(result_path(out, rank), lambda tmp: Path(tmp).write_bytes(data))
     except BaseException as exc:  # noqa: BLE001 - the launcher reports it
         write_error(out, rank, exc)
-        sys.exit(1)
+        code = 1
+    # Once multiprocessing has run its finalizers, joined the threads and flushed stdout and
+    # stderr, leave as its fork start method does (`os._exit`): the interpreter's teardown
+    # (seconds of garbage collection over a job's objects, triton's leak report) is skipped.
+    atexit.register(os._exit, code)  # registered last: the first exit handler to run
+    if code:
+        sys.exit(code)
 
 
 # ---------------------------------------------------------------------- the launcher
@@ -261,7 +270,7 @@ class LocalRanks:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop(signal.SIGTERM)
+        self._stop(signal.SIGINT)  # the stop every rank handles (Ctrl-C's), then killed
         self._store = None
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
