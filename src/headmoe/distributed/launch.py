@@ -8,7 +8,9 @@
 
 - **Start**: ``nproc`` processes of the spawn start method, each running ``fn(*args)``; a
   rank dies with its launcher (`exit_with_parent`), so a ``kill -9`` of the launcher frees
-  every port at once.
+  every port at once; once its outcome is recorded and multiprocessing has finalized, a
+  rank leaves with `os._exit` (as that start method's fork sibling does), skipping seconds
+  of interpreter teardown.
 - **Rendezvous**: the launcher hosts the job's `TCPStore` on a free loopback port; each rank
   finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
   ``TORCHELASTIC_USE_AGENT_STORE=True`` in its environment exactly as under torchrun, so it
