@@ -16,6 +16,8 @@ from types import ModuleType
 
 import torch
 
+from headmoe.config import is_int
+
 #: the float dtypes headmoe's Triton kernels take (fp32 with IEEE products, fp16, bf16)
 KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -42,7 +44,7 @@ def check_tile_sizes(tiles: object, names: tuple[str, ...]) -> None:
     a power of two >= 16 (the block sizes every kernel here takes)."""
     for name in names:
         v = getattr(tiles, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
+        if not is_int(v) or v < 16 or v & (v - 1):
             raise ValueError(f"{type(tiles).__name__}.{name} must be a power of two >= 16, "
                              f"got {v!r}")  # fmt: skip
 
