@@ -40,6 +40,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from headmoe.config import is_int
 from headmoe.serve.state import STEP_BUCKETS, TERMINAL
 
 #: upper bounds (seconds) of the job-time histogram's buckets: a tiny CPU job's seconds to
@@ -73,7 +74,7 @@ class ServerMetrics:
     """The metrics of one server (the table of the module docstring), in ``registry``."""
 
     def __init__(self, replicas: int = 1):
-        if not isinstance(replicas, int) or replicas < 1:
+        if not is_int(replicas) or replicas < 1:
             raise ValueError(f"replicas must be a positive int, got {replicas!r}")
         self.registry = CollectorRegistry()
         r = self.registry
