@@ -87,6 +87,10 @@ def test_a_row_round_trips_to_the_job_with_its_image_and_refiner(tmp_path):
     assert back.image == image and back.image.pixels == image.pixels
     assert back.refiner == job.refiner and back.total_steps == job.total_steps
     assert back.status == "queued" and not back.done.is_set()
+    db.end(job.id, "cancelled", "cancelled by request")  # ended: the pixels go, the rest stays
+    row = db.get(job.id)
+    assert row.image_pixels is None and row.image == image.describe()
+    assert row.to_job().done.is_set()
     db.close()
 
 

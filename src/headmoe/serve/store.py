@@ -13,7 +13,8 @@ column                what
 ``request``           the `GenerateRequest` as run, JSON (``to_dict``)
 ``admission``         where each field came from, JSON (`Admitted.describe`)
 ``image``             the reference image's description, JSON, or NULL
-``image_pixels``      its preprocessed RGB bytes (uint8 ``[height, width, 3]``), or NULL
+``image_pixels``      its preprocessed RGB bytes (uint8 ``[height, width, 3]``) while the
+                      job may still run (NULL once it ended: the table stays small)
 ``refiner``           the refiner stage (``RefinerStage.to_dict``), JSON, or NULL
 ``steps_done``        progress: steps finished of ``total_steps`` (both stages)
 ``cancel_requested``  0 / 1
@@ -287,10 +288,11 @@ class JobDatabase:
         self._conn.execute("BEGIN IMMEDIATE")
         try:
             yield self._conn
+            self._conn.execute("COMMIT")
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
 
     def close(self) -> None:
         """Close the connection and let go of the state dir."""
@@ -339,7 +341,7 @@ class JobDatabase:
                                "is completed only once its mp4 is written")
         self._move(job_id, ("in_progress",), status="completed", file=str(path),
                    sidecar=json.dumps(sidecar), video_sha256=sidecar.get("video_sha256"),
-                   audio_sha256=sidecar.get("audio_sha256"), error=None,
+                   audio_sha256=sidecar.get("audio_sha256"), error=None, image_pixels=None,
                    completed_at=int(time.time()) if completed_at is None else completed_at)
 
     def end(self, job_id: str, status: str, error: str,
@@ -350,6 +352,7 @@ class JobDatabase:
             raise ValueError(f"status must be 'failed' or 'cancelled' (use complete() for "
                              f"'completed'), got {status!r}")
         self._move(job_id, ("queued", "in_progress"), status=status, error=error,
+                   image_pixels=None,
                    completed_at=int(time.time()) if completed_at is None else completed_at)
 
     def delete(self, job_id: str) -> None:
@@ -405,8 +408,8 @@ class JobDatabase:
                 "SELECT id, file FROM jobs WHERE status = 'completed' ORDER BY seq")
                 if not Path(r[1]).is_file()]
             for ids, error in ((running, INTERRUPTED), (gone, FILE_GONE)):
-                c.executemany("UPDATE jobs SET status = 'failed', error = ?, "
-                              "completed_at = COALESCE(completed_at, ?) WHERE id = ?",
+                c.executemany("UPDATE jobs SET status = 'failed', error = ?, image_pixels = "
+                              "NULL, completed_at = COALESCE(completed_at, ?) WHERE id = ?",
                               [(error, now, i) for i in ids])
         by_id = {r.id: r for r in self.jobs()}
         return Recovery(
