@@ -186,9 +186,9 @@ def _row(r: sqlite3.Row) -> JobRow:
     return JobRow(**d)
 
 
-def _refuse(path: Path, why: str) -> UserError:
-    return UserError(f"job database {path}: {why}; it was left as it is: move it away or "
-                     "give another --state-dir")
+def _refuse(path: Path, why: str,
+            hint: str = "it was left as it is: move it away") -> UserError:
+    return UserError(f"job database {path}: {why}; {hint} or give another --state-dir")
 
 
 def _check_header(path: Path) -> None:
@@ -239,8 +239,12 @@ class JobDatabase:
         self.path = self.state_dir / DB_NAME
         if self.state_dir.exists() and not self.state_dir.is_dir():
             raise _refuse(self.path, f"its state dir {self.state_dir} is not a folder")
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._lock_file = self._hold_lock()
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._lock_file = self._hold_lock()
+        except OSError as exc:
+            raise _refuse(self.path, f"its state dir cannot be used ({exc})",
+                          "fix its permissions") from exc
         try:
             _check_header(self.path)
             self._conn = sqlite3.connect(self.path, isolation_level=None,
@@ -265,8 +269,8 @@ class JobDatabase:
             f.seek(0)
             holder = f.read().strip() or "unknown"
             f.close()
-            raise _refuse(self.path, f"another server uses this state dir (pid {holder})") \
-                from exc
+            raise _refuse(self.path, f"another server uses this state dir (pid {holder})",
+                          "stop that server") from exc
         f.seek(0)
         f.truncate()
         f.write(str(os.getpid()))
