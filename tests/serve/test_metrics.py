@@ -2,6 +2,7 @@
 parser, the counters move with each record, two servers' registries stay apart."""
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from headmoe.serve.metrics import JOB_BUCKETS, OUTCOMES, ServerMetrics, resident_memory
@@ -94,3 +95,12 @@ def test_resident_memory_of_a_cpu_rank_is_its_rss():
 def test_job_buckets_span_seconds_to_hours():
     assert JOB_BUCKETS[0] <= 1.0 and JOB_BUCKETS[-1] >= 4 * 3600
     assert list(JOB_BUCKETS) == sorted(JOB_BUCKETS)
+
+
+def test_resident_memory_of_a_cuda_rank_is_its_allocated_memory(monkeypatch):
+    """The CUDA branch, on a CPU machine: torch.cuda's two calls stand in."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: asked.append(d) or 12345)
+    assert resident_memory("cuda:1") == ("device", 12345)
+    assert asked == [torch.device("cuda:1")]
