@@ -2,7 +2,11 @@
 foreign or corrupt file refused by its path, two threads at once."""
 
 import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import threading
 import uuid
 
@@ -72,6 +76,35 @@ def test_restart_keeps_completed_requeues_queued_and_fails_the_interrupted(tmp_p
     again = db.recover()
     assert (again.interrupted, again.lost) == ([], [])
     assert [r.id for r in again.requeue] == [q1.id, q2.id]
+    db.close()
+
+
+#: a server that queues two jobs, runs the first and dies of SIGKILL without closing anything
+KILLED_SERVER = textwrap.dedent("""
+    import os, signal, sys
+    from headmoe.pipeline.request import GenerateRequest
+    from headmoe.serve.state import JobStore
+    from headmoe.serve.store import JobDatabase
+    db, store = JobDatabase(sys.argv[1]), JobStore(sys.argv[1], 4)
+    jobs = [store.submit(GenerateRequest(prompt=p)) for p in ("runs", "waits")]
+    for job in jobs:
+        db.add(job)
+    db.start(jobs[0].id, replica=0)
+    db.progress(jobs[0].id, 2)
+    print(" ".join(j.id for j in jobs), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_killed_server_leaves_a_database_the_next_one_recovers(tmp_path):
+    run = subprocess.run([sys.executable, "-c", KILLED_SERVER, str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    running, waiting = run.stdout.split()
+    db = JobDatabase(tmp_path)  # its lock died with it; its WAL is replayed
+    rec = db.recover()
+    assert [(r.id, r.error, r.steps_done) for r in rec.interrupted] == [(running, INTERRUPTED, 2)]
+    assert [r.id for r in rec.requeue] == [waiting]
     db.close()
 
 
