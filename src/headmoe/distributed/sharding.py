@@ -11,6 +11,7 @@ Notation (one SP group):
 | rule | function | used by |
 |---|---|---|
 | SP token split (balanced, contiguous) | `sp_token_counts`, `sp_rows` | model, planner |
+| attention heads of an SP rank after Ulysses | `sp_heads`, `sp_kv_heads` | models, planner |
 | EP coordinates of SP rank s: (s mod E, s div E) | `ep_coords` | topology |
 | heads and checkpoint rows of an EP rank | `head_shard` -> `HeadShard` | MoE layer, loader, planner |
 | replica parts of each rank's tokens | `replica_token_counts` | dispatch, exchange tests |
@@ -71,6 +72,24 @@ def sp_rows(counts: tuple[int, ...], sp_rank: int) -> tuple[int, int]:
     """`(lo, hi)`: the global rows SP rank `sp_rank` holds under `counts`."""
     lo = sum(counts[:sp_rank])
     return lo, lo + counts[sp_rank]
+
+
+# ---------------------------------------------------------------------- SP heads
+def sp_heads(num_heads: int, sp: int, sp_rank: int = 0) -> tuple[int, int]:
+    """`(first, count)`: after the Ulysses exchange SP rank `sp_rank` of `sp` attends heads
+    `[first, first + count)`, `count = num_heads // sp` (the model configs check that `sp`
+    divides the query heads)."""
+    count = num_heads // sp
+    return sp_rank * count, count
+
+
+def sp_kv_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """KV heads per SP rank in an exchange that carries KV heads (the refiner's): its own
+    `num_kv_heads // sp` when `sp` divides them, else the KV heads are first repeated to
+    `num_heads` (GQA) and each rank gets `num_heads // sp`."""
+    if num_kv_heads % sp:
+        return sp_heads(num_heads, sp)[1]
+    return num_kv_heads // sp
 
 
 # ---------------------------------------------------------------------- EP heads

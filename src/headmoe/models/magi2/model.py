@@ -42,19 +42,17 @@ from headmoe.config import DTYPES
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import (
     ExchangeWorkspace,
-    gather_rows,
     ulysses_heads_to_seq,
     ulysses_qkv_to_heads,
 )
-from headmoe.distributed.schedule import ForwardSchedule
-from headmoe.distributed.sharding import sp_rows, sp_token_counts
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.attention import segment_attention
 from headmoe.layers.linear import Linear, ModalityLinear
 from headmoe.layers.mhc import mhc_input, mhc_mix, mhc_update
 from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
-from headmoe.layers.rope import apply_rope, default_bands, rope_table, split_table
-from headmoe.models.magi2.config import AUDIO, MODALITIES, VIDEO, Magi2Config
+from headmoe.layers.rope import apply_rope, default_bands
+from headmoe.models.common import PlannedModel, RowPlan, embed_rows, row_plan_fields, sp_counts
+from headmoe.models.magi2.config import AUDIO, VIDEO, Magi2Config
 from headmoe.models.magi2.config import validate_parallel as _validate_parallel
 from headmoe.models.magi2.packing import (
     BranchInput,
@@ -67,27 +65,12 @@ from headmoe.models.magi2.schedule import forward_schedule
 from headmoe.moe import MoEConfig, MultiHeadMoE
 
 
-@dataclass
-class ForwardPlan:
-    """Host-side facts of one forward on this rank, computed once and shared by all layers.
+@dataclass(frozen=True)
+class ForwardPlan(RowPlan):
+    """The `RowPlan` of one MAGI-2 forward on this rank, plus `segments`: each packed
+    segment's global `(start, stop)`."""
 
-    counts: SP token counts in SP order; lo/hi: this rank's global rows; segments: each
-    segment's global `(start, stop)`; modality `[T_local]` int64; groups[m]: local rows of
-    modality m; cos/sin `[T_local, 3B]` fp32 (on the model's device)."""
-
-    counts: tuple[int, ...]
-    lo: int
-    hi: int
     segments: list[tuple[int, int]]
-    modality: torch.Tensor
-    groups: list[torch.Tensor]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    schedule: ForwardSchedule
-
-    @property
-    def local_tokens(self) -> int:
-        return self.hi - self.lo
 
 
 class Attention(nn.Module):
@@ -126,21 +109,19 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         return torch.stack([q, k, v], dim=1).to(self.dtype)
 
-    def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` (model dtype) -> `[T_local, C]` fp32."""
-        t = u.shape[0]
+        t, par = u.shape[0], plan.parallel
         x = self.pre_norm(u, plan.modality)
         gate = self.linear_g(x, plan.groups)
         qkv = self._qkv(x, plan)
-        sp = ctx.config.ulysses_degree
-        local = self.hq // sp
-        if sp > 1:
-            qkv = ulysses_qkv_to_heads(qkv, ctx.group("sp"), plan.counts, counters=ctx.counters)
-        first = ctx.coords.sp * local
+        if par.sp > 1:
+            qkv = ulysses_qkv_to_heads(qkv, par.sp_group, par.counts, counters=par.counters)
+        first, local = par.heads(self.hq)
         sinks = self.sinks[0, first : first + local]
         o = segment_attention(qkv, plan.segments, sinks, 1.0 / math.sqrt(self.head_dim))
-        if sp > 1:
-            o = ulysses_heads_to_seq(o, ctx.group("sp"), plan.counts, counters=ctx.counters)
+        if par.sp > 1:
+            o = ulysses_heads_to_seq(o, par.sp_group, par.counts, counters=par.counters)
         o = o.float() * sigmoid(gate)[:, :, None]
         return self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups)
 
@@ -157,7 +138,7 @@ class DenseMLP(nn.Module):
         self.up_gate_proj = ModalityLinear(m, c, 2 * i, dtype)
         self.down_proj = ModalityLinear(m, i, c, dtype)
 
-    def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
         return self.down_proj(swiglu7(self.up_gate_proj(n, plan.groups)), plan.groups)
@@ -198,11 +179,11 @@ class MoEMLP(nn.Module):
         self.modality_specific_shared_expert_fc1 = ModalityLinear(m, c, 2 * sm, dtype)
         self.modality_specific_shared_expert_fc2 = ModalityLinear(m, sm, c, dtype)
 
-    def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
         z = self.split_linear(n).to(self.dtype)
-        moe = self.moe_mlp(z, token_counts=plan.counts, dispatch=plan.schedule.moe_dispatch)
+        moe = self.moe_mlp(z, plan.parallel)
         routed = self.merge_linear(moe)
         shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n)))
         h = self.modality_specific_shared_expert_fc1(n, plan.groups)
@@ -249,9 +230,7 @@ class Magi2Layer(nn.Module):
             return w
         return w.view(self.config.num_modalities, -1)[plan.modality]
 
-    def forward(
-        self, state: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext
-    ) -> torch.Tensor:
+    def forward(self, state: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """state `[T_local, n, C]` (model dtype) -> `[T_local, n, C]` (model dtype)."""
         cfg = self.config
         norm_weight = self._norm_weight(plan)
@@ -263,7 +242,7 @@ class Magi2Layer(nn.Module):
                       for k in ("pre", "post", "res")),
                 iters=cfg.mhc_sinkhorn_iters, eps=cfg.mhc_eps, norm_eps=cfg.norm_eps,
             )
-            y = fn(mhc_input(state, mix, self.dtype), plan, ctx)
+            y = fn(mhc_input(state, mix, self.dtype), plan)
             state = mhc_update(state, mix, y.to(self.dtype), self.dtype)
         return state
 
@@ -321,7 +300,7 @@ class PostAdapter(nn.Module):
         self.final_linear_audio = Linear(v, config.audio_in_channels)
 
 
-class Magi2Transformer(nn.Module):
+class Magi2Transformer(PlannedModel):
     """The MAGI-2 transformer, sharded by the given `ParallelContext`.
 
     `dtype` (fp32 or bf16) is the dtype of the linears and experts and of the state between
@@ -353,15 +332,13 @@ class Magi2Transformer(nn.Module):
         collective). Raises `ValueError` naming the bad field."""
         packed.validate(self.config)
         ctx = self.context
-        counts = sp_token_counts(packed.num_tokens, ctx.config.ulysses_degree)
-        lo, hi = sp_rows(counts, ctx.coords.sp)
-        dev = self.pre_adapter.video_embedder.weight.device
-        modality = packed.modality[lo:hi]
-        groups = [torch.nonzero(modality == m).flatten().to(dev) for m in range(len(MODALITIES))]
-        cos, sin = split_table(rope_table(packed.coords[lo:hi], self.pre_adapter.rope.bands.cpu()))
+        counts = sp_counts(ctx, packed.num_tokens)
         schedule = forward_schedule(self.config, ctx.topology, ctx.coords, counts)
-        return ForwardPlan(counts, lo, hi, packed.segments(), modality.to(dev), groups,
-                           cos.to(dev), sin.to(dev), schedule)
+        fields = row_plan_fields(ctx, counts, packed.modality, packed.coords,
+                                 self.pre_adapter.rope.bands,
+                                 self.pre_adapter.video_embedder.weight.device, schedule,
+                                 schedule.moe_dispatch)
+        return ForwardPlan(**fields, segments=packed.segments())
 
     # ------------------------------------------------------------------ forward
     def _embed(self, packed: PackedInputs, plan: ForwardPlan) -> torch.Tensor:
@@ -369,11 +346,7 @@ class Magi2Transformer(nn.Module):
         cfg = self.config
         dev = self.pre_adapter.video_embedder.weight.device
         x = packed.x[plan.lo : plan.hi].to(dev)
-        out = torch.zeros(plan.local_tokens, cfg.mhc_width, device=dev)
-        for m, embedder in enumerate(self.pre_adapter.embedders()):
-            rows = plan.groups[m]
-            if rows.numel():
-                out[rows] = embedder(x[rows, : embedder.weight.shape[1]])
+        out = embed_rows(self.pre_adapter.embedders(), x, plan.groups, cfg.mhc_width)
         state = out.to(self.dtype)
         state[:, : cfg.time_embed_dim] = packed.time_tokens[plan.lo : plan.hi].to(dev)
         return state.view(plan.local_tokens, cfg.mhc_streams, cfg.hidden_size)
@@ -390,10 +363,16 @@ class Magi2Transformer(nn.Module):
                 local[rows, : lin.weight.shape[0]] = lin(norm(h[rows]))
         return local
 
-    def _gather(self, local: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
-        """Every SP rank's `[count_r, P]` rows -> the full `[T, P]` (`gather_rows`)."""
-        group = self.context.group("sp") if self.context.config.ulysses_degree > 1 else None
-        return gather_rows(local, group, plan.counts, counters=self.context.counters)
+    def _layers(self) -> Sequence[nn.Module]:
+        return self.block.layers
+
+    def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor,
+                  plan: RowPlan) -> None:
+        trace["block_in"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
+
+    def _trace_layer(self, trace: dict[str, torch.Tensor], i: int, out: torch.Tensor,
+                     plan: RowPlan) -> None:
+        trace[f"layer{i}_out"] = out.reshape(plan.local_tokens, self.config.mhc_width).float()
 
     @torch.no_grad()
     def forward_packed(
@@ -404,19 +383,9 @@ class Magi2Transformer(nn.Module):
         packed: identical on every rank of this SP group (host tensors). Returns the full
         `[T, out_width]` fp32 prediction on every SP rank (columns 0..47 on video rows,
         0..63 on audio rows, zeros on text rows). `trace`, when given, receives this rank's
-        rows (sequence order, fp32 `[T_local, V]`) of `block_in` and `layer{i}_out`."""
-        plan = self.plan(packed)
-        issued = len(self.context.counters.exchanges)
-        state = self._embed(packed, plan)
-        if trace is not None:
-            trace["block_in"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
-        for i, layer in enumerate(self.block.layers):
-            state = layer(state, plan, self.context)
-            if trace is not None:
-                trace[f"layer{i}_out"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
-        out = self._gather(self._post(state, plan), plan)
-        plan.schedule.check_executed(self.context.counters.exchanges[issued:])
-        return out
+        rows (sequence order, fp32 `[T_local, V]`) of `block_in` and `layer{i}_out`. The
+        collectives it issues are checked against its `forward_schedule`."""
+        return self.run_planned(packed, trace)
 
     def forward(self, branches: Sequence[BranchInput]) -> list[BranchOutput]:
         """Velocity predictions of the CFG branches this rank's SP group runs (identical on
