@@ -89,7 +89,15 @@ def parallel_plan(ctx: ParallelContext, counts: tuple[int, ...],
     """This rank's `ParallelPlan` under `ctx` for SP token counts `counts` (host only, no
     collective) and MoE exchange `dispatch`. Raises `ValueError` naming `token_counts` unless
     it holds one non-negative int per SP rank."""
-    sp = ctx.config.ulysses_degree
+    counts = check_sp_counts(ctx.config.ulysses_degree, counts)
+    heads = None if dispatch is None else HeadDispatch(dispatch, ctx.group(dispatch.axis))
+    sp_group = ctx.group("sp") if len(counts) > 1 else None
+    return ParallelPlan(counts, ctx.coords, sp_group, heads, ctx.counters)
+
+
+def check_sp_counts(sp: int, counts: object) -> tuple[int, ...]:
+    """`counts` as a tuple if it holds one non-negative int per SP rank (`sp`), else
+    `ValueError` naming `token_counts`."""
     if not isinstance(counts, tuple | list) or len(counts) != sp or any(
         not is_int(c) or c < 0 for c in counts
     ):
@@ -97,6 +105,4 @@ def parallel_plan(ctx: ParallelContext, counts: tuple[int, ...],
             f"token_counts must be a tuple of {sp} non-negative ints (one per SP rank), "
             f"got {counts!r}"
         )
-    heads = None if dispatch is None else HeadDispatch(dispatch, ctx.group(dispatch.axis))
-    return ParallelPlan(tuple(counts), ctx.coords, ctx.group("sp") if sp > 1 else None, heads,
-                        ctx.counters)
+    return tuple(counts)

@@ -22,7 +22,13 @@ from headmoe.distributed.exchange import (
     gather_heads,
     scatter_heads,
 )
-from headmoe.distributed.forward_plan import HeadDispatch, ParallelPlan, one_rank_plan
+from headmoe.distributed.forward_plan import (
+    HeadDispatch,
+    ParallelPlan,
+    check_sp_counts,
+    one_rank_plan,
+    parallel_plan,
+)
 from headmoe.distributed.sharding import (
     DispatchPlan,
     HeadShard,
@@ -58,6 +64,14 @@ def moe_dispatch(parallel: ParallelConfig, coords: Coords, ep_size: int,
     it."""
     return dispatch_plan(parallel.moe_exchange, counts, coords.sp, ep_size,
                          EXPERTS_BATCH_INVARIANT)
+
+
+def moe_plan(ctx: ParallelContext, counts: tuple[int, ...]) -> ParallelPlan:
+    """The `ParallelPlan` of a forward of MoE layers alone (no model around them) under
+    `ctx` for SP token counts `counts` (`ValueError` naming `token_counts` first)."""
+    counts = check_sp_counts(ctx.config.ulysses_degree, counts)
+    dispatch = moe_dispatch(ctx.config, ctx.coords, ctx.topology.expert_parallel_size, counts)
+    return parallel_plan(ctx, counts, dispatch)
 
 
 class MoERouter(nn.Module):
@@ -171,14 +185,13 @@ class MultiHeadMoE(nn.Module):
 
         z: `[N, real_heads, d]` in `config.dtype`; returns `[N, real_heads, d]`, same dtype."""
         rows = self.real_heads * self.config.num_experts
-        route_fn = route
-        if self.experts.uses_triton(self, z, self.expert_compute):  # docs/moe.md section 3
-            route_fn = triton_moe.route_triton
+        triton = self.experts.uses_triton(self, z, self.expert_compute)  # docs/moe.md section 3
+        route_fn = triton_moe.route_triton if triton else route
         experts, weights = route_fn(
             z, self.gate[:rows], self.router.expert_bias[:rows], self.config.top_k,
             self.config.route_scale,
         )
-        return self.experts.compute(self, z, experts, weights, rows, self.expert_compute)
+        return self.experts.compute(self, z, experts, weights, rows, self.expert_compute, triton)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, plan: ParallelPlan | None = None) -> torch.Tensor:

@@ -38,13 +38,13 @@ class ExpertWeights:
     - `shapes(rows, head_dim, inner, dtype)`: `{name: (shape, dtype)}` of those tensors for
       `rows` local rows, head dim d, expert width `inner` and model dtype `dtype` (the
       planner's bytes come from the tensors so registered, on the meta device).
-    - `compute(module, z, experts, weights, rows, expert_fn)`: the experts' output
+    - `compute(module, z, experts, weights, rows, expert_fn, triton)`: the experts' output
       `[N, h, d]` in z's dtype for the first `rows` rows of its tensors (read from `module`
       with `getattr(module, name)` at call time: streaming rebinds them), given z
       `[N, h, d]` in the model dtype, the routed `experts` `[N, h, k]` int64 and `weights`
       `[N, h, k]` fp32 (`headmoe.moe.routing.route`). `expert_fn` is the layer's torch
       experts function (`MultiHeadMoE.expert_compute`); a format with its own arithmetic
-      may ignore it.
+      may ignore it. `triton`: what `uses_triton` answered for this call (asked once).
 
     Optional: `uses_triton(module, z, expert_fn)` (default False): True where `compute`
     takes Triton kernels that expect the Triton router (`triton_moe.route_triton`).
@@ -60,7 +60,8 @@ class ExpertWeights:
         raise NotImplementedError
 
     def compute(self, module: nn.Module, z: torch.Tensor, experts: torch.Tensor,
-                weights: torch.Tensor, rows: int, expert_fn: ExpertFunction) -> torch.Tensor:
+                weights: torch.Tensor, rows: int, expert_fn: ExpertFunction, triton: bool
+                ) -> torch.Tensor:
         raise NotImplementedError
 
     def uses_triton(self, module: nn.Module, z: torch.Tensor, expert_fn: ExpertFunction) -> bool:
@@ -96,7 +97,8 @@ class Bf16Experts(ExpertWeights):
             triton_moe.supported(z.shape[2], module.W_gate.shape[2]))
 
     def compute(self, module: nn.Module, z: torch.Tensor, experts: torch.Tensor,
-                weights: torch.Tensor, rows: int, expert_fn: ExpertFunction) -> torch.Tensor:
-        if self.uses_triton(module, z, expert_fn):
+                weights: torch.Tensor, rows: int, expert_fn: ExpertFunction, triton: bool
+                ) -> torch.Tensor:
+        if triton:
             expert_fn = triton_moe.experts_triton
         return expert_fn(z, experts, weights, *(getattr(module, n)[:rows] for n in self.NAMES))
