@@ -16,8 +16,7 @@ import torch.distributed as dist
 from headmoe.config import is_int
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.counters import Counters
-from headmoe.distributed.exchange import HeadLayout
-from headmoe.distributed.sharding import DispatchPlan, sp_heads, sp_rows
+from headmoe.distributed.sharding import DispatchPlan, HeadLayout, sp_heads, sp_rows
 from headmoe.distributed.topology import Coords
 
 
