@@ -10,9 +10,9 @@ weights while it runs (`headmoe.models.streaming`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from headmoe.distributed.exchange import gather_rows
 from headmoe.distributed.forward_plan import ParallelPlan, parallel_plan
 from headmoe.distributed.schedule import ForwardSchedule
 from headmoe.distributed.sharding import DispatchPlan, sp_rows, sp_token_counts
+from headmoe.layers.linear import Linear
 from headmoe.layers.rope import rope_table, split_table
 from headmoe.models.magi2.config import MODALITIES
 
@@ -83,7 +84,7 @@ def row_plan_fields(
                 schedule=schedule)
 
 
-def embed_rows(embedders: Sequence[nn.Module], x: torch.Tensor, groups: list[torch.Tensor],
+def embed_rows(embedders: Sequence[Linear], x: torch.Tensor, groups: list[torch.Tensor],
                width: int) -> torch.Tensor:
     """`[T_local, width]` fp32: each modality's rows of `x` `[T_local, Cx]` (on the
     embedders' device) through its embedder (modality order, reading its input columns)."""
@@ -95,30 +96,32 @@ def embed_rows(embedders: Sequence[nn.Module], x: torch.Tensor, groups: list[tor
     return out
 
 
-class PlannedModel(nn.Module):
+P = TypeVar("P", bound=RowPlan)
+
+
+class PlannedModel(nn.Module, Generic[P]):
     """A transformer whose forward is `run_planned`: plan -> embed -> layers -> post ->
-    gather over SP -> check the executed collectives against the plan's schedule."""
+    gather over SP -> check the executed collectives against the plan's schedule. `P` is
+    its `RowPlan` type."""
 
     context: ParallelContext
 
-    def plan(self, packed: Any) -> RowPlan:
+    def plan(self, packed: Any) -> P:
         raise NotImplementedError
 
-    def _embed(self, packed: Any, plan: RowPlan) -> torch.Tensor:
+    def _embed(self, packed: Any, plan: P) -> torch.Tensor:
         raise NotImplementedError
 
-    def _post(self, state: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    def _post(self, state: torch.Tensor, plan: P) -> torch.Tensor:
         raise NotImplementedError
 
-    def _layers(self) -> Sequence[nn.Module]:
+    def _layers(self) -> Iterable[nn.Module]:
         raise NotImplementedError
 
-    def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor,
-                  plan: RowPlan) -> None:
+    def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor, plan: P) -> None:
         raise NotImplementedError
 
-    def _trace_layer(self, trace: dict[str, torch.Tensor], i: int, out: Any,
-                     plan: RowPlan) -> None:
+    def _trace_layer(self, trace: dict[str, torch.Tensor], i: int, out: Any, plan: P) -> None:
         raise NotImplementedError
 
     def run_planned(self, packed: Any, trace: dict[str, torch.Tensor] | None) -> torch.Tensor:

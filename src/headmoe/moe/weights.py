@@ -67,6 +67,13 @@ class ExpertWeights:
     def uses_triton(self, module: nn.Module, z: torch.Tensor, expert_fn: ExpertFunction) -> bool:
         return False
 
+    def tensor(self, module: nn.Module, name: str) -> torch.Tensor:
+        """This format's tensor `name` as `module` holds it now (streaming rebinds it)."""
+        t = getattr(module, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{type(module).__name__}.{name} must be a tensor, got {type(t).__name__}")
+        return t
+
     def register(self, module: nn.Module, rows: int, head_dim: int, inner: int,
                  dtype: torch.dtype) -> None:
         """Register this format's zero tensors on `module` (frozen parameters)."""
@@ -94,11 +101,12 @@ class Bf16Experts(ExpertWeights):
     def uses_triton(self, module: nn.Module, z: torch.Tensor, expert_fn: ExpertFunction) -> bool:
         """Whether `compute` (and the layer's routing) take the Triton kernels for `z`."""
         return expert_fn is experts_grouped and triton_runtime.use_triton(z) and (
-            triton_moe.supported(z.shape[2], module.W_gate.shape[2]))
+            triton_moe.supported(z.shape[2], self.tensor(module, "W_gate").shape[2]))
 
     def compute(self, module: nn.Module, z: torch.Tensor, experts: torch.Tensor,
                 weights: torch.Tensor, rows: int, expert_fn: ExpertFunction, triton: bool
                 ) -> torch.Tensor:
         if triton:
             expert_fn = triton_moe.experts_triton
-        return expert_fn(z, experts, weights, *(getattr(module, n)[:rows] for n in self.NAMES))
+        return expert_fn(z, experts, weights,
+                         *(self.tensor(module, n)[:rows] for n in self.NAMES))

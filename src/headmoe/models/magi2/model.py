@@ -32,7 +32,7 @@ in the model dtype; the state S between layers and the branch inputs u in the mo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -264,6 +264,8 @@ class Block(nn.Module):
 class Rope(nn.Module):
     """`bands` `[B]` fp32 buffer (checkpoint `pre_adapter.rope.bands`)."""
 
+    bands: torch.Tensor
+
     def __init__(self, bands: int) -> None:
         super().__init__()
         self.register_buffer("bands", default_bands(bands))
@@ -300,7 +302,7 @@ class PostAdapter(nn.Module):
         self.final_linear_audio = Linear(v, config.audio_in_channels)
 
 
-class Magi2Transformer(PlannedModel):
+class Magi2Transformer(PlannedModel[ForwardPlan]):
     """The MAGI-2 transformer, sharded by the given `ParallelContext`.
 
     `dtype` (fp32 or bf16) is the dtype of the linears and experts and of the state between
@@ -363,15 +365,15 @@ class Magi2Transformer(PlannedModel):
                 local[rows, : lin.weight.shape[0]] = lin(norm(h[rows]))
         return local
 
-    def _layers(self) -> Sequence[nn.Module]:
+    def _layers(self) -> Iterable[nn.Module]:
         return self.block.layers
 
     def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor,
-                  plan: RowPlan) -> None:
+                  plan: ForwardPlan) -> None:
         trace["block_in"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
 
     def _trace_layer(self, trace: dict[str, torch.Tensor], i: int, out: torch.Tensor,
-                     plan: RowPlan) -> None:
+                     plan: ForwardPlan) -> None:
         trace[f"layer{i}_out"] = out.reshape(plan.local_tokens, self.config.mhc_width).float()
 
     @torch.no_grad()

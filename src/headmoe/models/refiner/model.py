@@ -30,7 +30,7 @@ the bits of one rank (tests/models/test_refiner_multirank.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -183,7 +183,7 @@ class RefinerBlock(nn.Module):
                                     for i in range(config.num_layers))
 
 
-class Magi2Refiner(PlannedModel):
+class Magi2Refiner(PlannedModel[RefinerPlan]):
     """The refiner, sharded by the given `ParallelContext` (Ulysses SP; CFG and DP only
     choose which forwards a rank runs). `dtype` (fp32 or bf16) is the dtype of the layer
     linears. Parameters start at zeros; load weights with `load_refiner`. Inference only.
@@ -232,15 +232,15 @@ class Magi2Refiner(PlannedModel):
             out[rows] = post.final_linear_video(post.final_norm_video(h[rows]))
         return out
 
-    def _layers(self) -> Sequence[nn.Module]:
+    def _layers(self) -> Iterable[nn.Module]:
         return self.block.layers
 
     def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor,
-                  plan: RowPlan) -> None:
+                  plan: RefinerPlan) -> None:
         trace["embed"] = state.clone()
 
     def _trace_layer(self, trace: dict[str, torch.Tensor], i: int,
-                     out: tuple[torch.Tensor, torch.Tensor], plan: RowPlan) -> None:
+                     out: tuple[torch.Tensor, torch.Tensor], plan: RefinerPlan) -> None:
         trace[f"layer{i}_attn"], trace[f"layer{i}_out"] = out[1].clone(), out[0].clone()
 
     @torch.no_grad()

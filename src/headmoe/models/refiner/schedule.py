@@ -22,14 +22,17 @@ def refiner_schedule(
     """Every collective of one refiner forward on the rank at `coords`, whose SP group
     splits the packed rows as `counts` (SP order)."""
     sp, out = topo.sp, []
-    uly = dict(axis="sp", token_counts=counts, rank=coords.sp, replica_counts=None)
     hq, d = config.num_attention_heads, config.head_dim
     fused = sp * (sp_heads(hq, sp)[1] + 2 * sp_kv_heads(hq, config.num_query_groups, sp))
-    if sp > 1 and sum(counts):
+
+    def over_sp(kind: Exchange, layer: int | None, heads: int, width: int) -> Collective:
+        return Collective(kind, "sp", layer, counts, coords.sp, None, heads, width,
+                          fp32=kind == Exchange.SP_OUTPUT_GATHER)
+
+    if sp > 1 and sum(counts) > 0:
         for layer in range(config.num_layers):
-            out.append(Collective(Exchange.ULYSSES_IN, layer=layer, heads=fused, width=d, **uly))
-            out.append(Collective(Exchange.ULYSSES_OUT, layer=layer, heads=hq, width=d, **uly))
+            out.append(over_sp(Exchange.ULYSSES_IN, layer, fused, d))
+            out.append(over_sp(Exchange.ULYSSES_OUT, layer, hq, d))
     if sp > 1:
-        out.append(Collective(Exchange.SP_OUTPUT_GATHER, layer=None, heads=1,
-                              width=config.video_in_channels, fp32=True, **uly))
+        out.append(over_sp(Exchange.SP_OUTPUT_GATHER, None, 1, config.video_in_channels))
     return ForwardSchedule(tuple(out), None, 0)
