@@ -63,6 +63,7 @@ from headmoe.models.magi2.packing import (
 )
 from headmoe.models.magi2.schedule import forward_schedule
 from headmoe.moe import MoEConfig, MultiHeadMoE
+from headmoe.moe.weights import Bf16Experts, ExpertWeights
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,7 @@ class MoEMLP(nn.Module):
     def __init__(
         self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext,
         workspace: ExchangeWorkspace | None = None,
+        experts: type[ExpertWeights] = Bf16Experts,
     ) -> None:
         super().__init__()
         c, m = config.hidden_size, config.num_modalities
@@ -172,6 +174,7 @@ class MoEMLP(nn.Module):
             ),
             context,
             workspace,
+            experts=experts(),
         )
         self.merge_linear = Linear(config.moe_hidden_size, c, dtype=dtype)
         self.shared_expert_fc1 = Linear(c, 2 * s, dtype=dtype)
@@ -201,7 +204,7 @@ class Magi2Layer(nn.Module):
 
     def __init__(
         self, config: Magi2Config, layer_id: int, dtype: torch.dtype, context: ParallelContext,
-        workspace: ExchangeWorkspace,
+        workspace: ExchangeWorkspace, experts: type[ExpertWeights] = Bf16Experts,
     ) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
@@ -220,7 +223,7 @@ class Magi2Layer(nn.Module):
         self.attention = Attention(config, dtype, sets)
         self.mlp = (
             DenseMLP(config, dtype) if self.multimodal
-            else MoEMLP(config, dtype, context, workspace)
+            else MoEMLP(config, dtype, context, workspace, experts)
         )
         self.mhc_norm = ModalityRMSNorm(sets, v, config.norm_eps)
 
@@ -252,11 +255,12 @@ class Block(nn.Module):
     layers run one after another and share one `ExchangeWorkspace` for their all-to-alls
     (each MoE output is consumed by its merge linear before the next MoE layer runs)."""
 
-    def __init__(self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext):
+    def __init__(self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext,
+                 experts: type[ExpertWeights] = Bf16Experts):
         super().__init__()
         self.exchange_workspace = ExchangeWorkspace()
         self.layers = nn.ModuleList(
-            Magi2Layer(config, i, dtype, context, self.exchange_workspace)
+            Magi2Layer(config, i, dtype, context, self.exchange_workspace, experts)
             for i in range(config.num_layers)
         )
 
@@ -306,12 +310,14 @@ class Magi2Transformer(PlannedModel[ForwardPlan]):
     """The MAGI-2 transformer, sharded by the given `ParallelContext`.
 
     `dtype` (fp32 or bf16) is the dtype of the linears and experts and of the state between
-    layers; see the module docstring for the rest. Parameters start at zeros (identity
-    norms); load weights with `load_checkpoint`. Inference only."""
+    layers; see the module docstring for the rest. `experts`: the routed experts' weight
+    format (`headmoe.moe.weights.ExpertWeights`; the released `Bf16Experts` by default).
+    Parameters start at zeros (identity norms); load weights with `load_checkpoint`.
+    Inference only."""
 
     def __init__(
         self, config: Magi2Config, context: ParallelContext | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, experts: type[ExpertWeights] = Bf16Experts,
     ) -> None:
         super().__init__()
         if dtype not in DTYPES.values():
@@ -321,7 +327,7 @@ class Magi2Transformer(PlannedModel[ForwardPlan]):
         self.config, self.context, self.dtype = config, context, dtype
         self.pre_adapter = PreAdapter(config)
         self.post_adapter = PostAdapter(config)
-        self.block = Block(config, dtype, context)
+        self.block = Block(config, dtype, context, experts)
 
     @property
     def out_width(self) -> int:
