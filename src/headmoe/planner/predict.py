@@ -93,7 +93,7 @@ class MoEPlacement:
 def moe_placement(model: Magi2Config, topo: Topology, rank: int,
                   counts: tuple[int, ...]) -> MoEPlacement:
     """Where a MoE layer's rows go on `rank`, given the SP token counts `counts` (the MoE
-    layer's own `plan_dispatch` and `moe_row_slice`)."""
+    layer's own `moe_dispatch` and head shard)."""
     c = topo.coords(rank)
     e = topo.expert_parallel_size
     dispatch = moe_dispatch(topo.config, c, e, counts)
