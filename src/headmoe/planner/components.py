@@ -25,8 +25,8 @@ from functools import cache
 
 import torch
 
-from headmoe.distributed.topology import Topology
-from headmoe.release.placement import IMAGE_RANK, is_output_coords
+from headmoe.distributed.topology import Topology, is_output_coords
+from headmoe.release.placement import IMAGE_RANK
 
 #: Qwen3.5-27B text model sizes used when no release folder is given (MAGI2.md section 7:
 #: 5120-d features); the folder's config.json is the authority when there is one

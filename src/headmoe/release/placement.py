@@ -35,14 +35,15 @@ import torch.distributed as dist
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
+from headmoe.distributed.topology import is_output_coords
 from headmoe.pipeline.health import IMAGE_ENCODER_HINT, check_media
+from headmoe.pipeline.latents import latent_shape
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.release import audio_vae, video_latents
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from headmoe.distributed.topology import Coords
     from headmoe.pipeline.image import ReferenceImage
     from headmoe.release.folder import Release
     from headmoe.release.text_encoder import Qwen35TextEncoder
@@ -53,14 +54,8 @@ HOST = torch.device("cpu")
 OK, FAILED = 0, 1
 
 
-def is_output_coords(coords: Coords) -> bool:
-    """The writer of its DP group: the rank at SP and CFG coordinates 0 (the one home of
-    this rule: the job, the placement of the decoders and the planner ask it)."""
-    return (coords.sp, coords.cfg) == (0, 0)
-
-
 def is_output_rank(ctx: ParallelContext) -> bool:
-    """`is_output_coords` of this rank."""
+    """`headmoe.distributed.topology.is_output_coords` of this rank."""
     return is_output_coords(ctx.coords)
 
 
@@ -316,7 +311,7 @@ class OutputVideoDecoder:
         self.kind, self.decoder, self.placed = kind, decoder, placed
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        return video_latents.latent_shape(num_frames, height, width)
+        return latent_shape(num_frames, height, width)
 
     def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
         """``[T, H, W, 48]`` fp32 -> ``[num_frames, 16 H, 16 W, 3]`` uint8."""

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from headmoe.pipeline.latents import latent_shape
 from headmoe.release import video_latents
 from headmoe.release.weights import check_tensors, read_tensors
 
@@ -286,7 +287,7 @@ class WanVideoDecoder:
         self.vae = vae
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        return video_latents.latent_shape(num_frames, height, width)
+        return latent_shape(num_frames, height, width)
 
     @torch.no_grad()
     def decode_frames(self, z: torch.Tensor) -> torch.Tensor:
