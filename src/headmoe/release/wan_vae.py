@@ -14,6 +14,7 @@ sampling), normalised with the same statistics (`video_latents.normalize`).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
@@ -256,8 +257,6 @@ def build_tiny_wan_vae(
     plain state dict in the original key layout, that `load_wan_vae` reads without a config.
     Deterministic; returns the folder. Weights: conv N(0, 1/fan_in) (``residual.6`` and the
     attention ``proj`` x0.5), RMSNorm gammas 1, biases N(0, 0.05^2)."""
-    import math
-
     folder = os.fspath(folder)
     cfg = dict(RELEASED_CONFIG, base_dim=base_dim, decoder_base_dim=decoder_base_dim)
     gen = torch.Generator().manual_seed(seed)
