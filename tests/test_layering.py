@@ -178,8 +178,9 @@ def _cycles(edges: list[tuple[str, str, Import]], what: str) -> list[str]:
     found = []
     for members in _components(graph):
         inside = set(members)
-        evidence = sorted({str(edge) for source, target, edge in edges
-                           if source != target and source in inside and target in inside})
+        inner = {edge for source, target, edge in edges
+                 if source != target and source in inside and target in inside}
+        evidence = [str(e) for e in sorted(inner, key=lambda e: (e.importer, e.line, e.imported))]
         found.append(f"{what} cycle between {', '.join(members)}:\n    "
                      + "\n    ".join(evidence))
     return found
