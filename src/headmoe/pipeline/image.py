@@ -1,10 +1,10 @@
 """The image-to-video reference image: opening, checking and preprocessing (MAGI2.md 9.2).
 
-`open_image` (through `headmoe.pipeline.image_worker.read_image` for a file) turns untrusted bytes into an RGB ``PIL.Image`` exactly as the
-release opens its ``--image`` (diffusers' ``load_image``: EXIF orientation applied, then
-``convert("RGB")``: alpha is dropped, not composited; palette, 16-bit, CMYK and grayscale
-images go through Pillow's own conversion), after these checks, each a `ImageError` naming
-the problem:
+`open_image` (for a file: `headmoe.pipeline.image_worker.read_image`) turns untrusted
+bytes into an RGB ``PIL.Image`` exactly as the release opens its ``--image`` (diffusers'
+``load_image``: EXIF orientation applied, then ``convert("RGB")``: alpha is dropped, not
+composited; palette, 16-bit, CMYK and grayscale images go through Pillow's own
+conversion), after these checks, each a `ImageError` naming the problem:
 
 - at most `MAX_IMAGE_BYTES` bytes, and not empty;
 - a PNG, JPEG or WebP file (`FORMATS`), recognised by Pillow from its header;
@@ -112,7 +112,7 @@ class ReferenceImage:
 
     def pixels_uint8(self) -> torch.Tensor:
         """``[height, width, 3]`` uint8 (a copy)."""
-        import torch
+        import torch  # not at the top: the decoding child imports this module without torch
 
         if self.pixels is None:
             raise RuntimeError("this rank holds the image's description only, not its pixels")
