@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
-from headmoe.distributed.counters import ExchangeRecord
-from headmoe.distributed.sharding import DispatchPlan, HeadLayout
+from headmoe.distributed.sharding import DispatchPlan
 
 
 class Exchange(StrEnum):
@@ -59,8 +59,10 @@ class Collective:
     fp32: bool = False
 
     @property
-    def layout(self) -> HeadLayout:
-        """The layout as a `HeadLayout` (validated)."""
+    def layout(self) -> Any:
+        """The layout as a `headmoe.distributed.exchange.HeadLayout` (validated)."""
+        from headmoe.distributed.exchange import HeadLayout  # exchange imports this module
+
         return HeadLayout(self.token_counts, self.rank, self.replica_counts)
 
 
@@ -82,7 +84,7 @@ class ForwardSchedule:
                 return c
         return None
 
-    def check_executed(self, records: Sequence[ExchangeRecord]) -> None:
+    def check_executed(self, records: Sequence[Any]) -> None:
         """Raise `RuntimeError` unless `records` (the `ExchangeRecord`s a forward added) are
         exactly the scheduled collectives, kind by kind, in order."""
         done = [str(r.kind) for r in records]
