@@ -1,7 +1,7 @@
 """What a job runs, as interfaces: the transformer (`Denoiser`), the text encoder, the video
 and audio decoders, the image encoder, the refiner model and where its weights live
-(`Refiner`), `Components`, which holds one of each, and `ComponentSource`, what the job
-records of the folder its components come from.
+(`Refiner`), `Components`, which holds one of each, and `ReleaseFolder`, what the job
+reads of the release folder its components come from.
 
 The pipeline talks to its non-transformer components only through the protocols below, so
 MAGI-2's real components (`headmoe.release`: a large text encoder with 5120-d features, the
@@ -83,15 +83,6 @@ class ImageEncoder(Protocol):
         ...
 
 
-class ComponentSource(Protocol):
-    """The folder a job's components come from, as the pipeline sees it (the release's
-    `headmoe.release.folder.Release` implements it)."""
-
-    def describe(self) -> dict[str, Any]:
-        """What the sidecar records about it (JSON values)."""
-        ...
-
-
 class Refiner:
     """The refiner model of a job on one rank and where its weights live: on the device,
     or (``offload`` on a GPU) on the host except while `active` runs the stage, which moves
@@ -130,3 +121,19 @@ class Components:
     image_encoder: ImageEncoder | None = None
     refiner: Refiner | None = None
     """The 1080p stage's `Refiner` (None: the job has no refiner)."""
+
+
+class ReleaseFolder(Protocol):
+    """A checked release folder as a job holds it (`headmoe.release.folder.Release`
+    implements it): what the pipeline reads of it without importing the release layer."""
+
+    @property
+    def image_encoder(self) -> str | None:
+        """The ``vae/`` folder of the I2V image encoder (None: no image input)."""
+
+    @property
+    def refiner(self) -> str | None:
+        """The refiner checkpoint under ``refiner/`` (None: the folder has none)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the sidecar records about the folder."""

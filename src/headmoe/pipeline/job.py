@@ -53,7 +53,7 @@ from headmoe.pipeline.health import (
 )
 from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
 from headmoe.pipeline.image import ReferenceImage
-from headmoe.pipeline.interfaces import Components, ComponentSource, TextEncoder
+from headmoe.pipeline.interfaces import Components, ReleaseFolder, TextEncoder
 from headmoe.pipeline.latents import frame_count
 from headmoe.pipeline.media import (
     quantize_audio,
@@ -102,7 +102,7 @@ class GenerateJob:
     timeout_s: float = 300.0
     progress: bool = True
     components: Callable[[ParallelContext, GenerateJob], Components] | None = None
-    release: ComponentSource | None = None
+    release: ReleaseFolder | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     check_layers: bool = False

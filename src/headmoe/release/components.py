@@ -63,7 +63,7 @@ def _progress(ctx: ParallelContext, job: GenerateJob):
 
 def job_release(job: GenerateJob) -> Release | None:
     """``job.release``, the `Release` folder this factory builds the components of (None:
-    the stand-ins); a `TypeError` for another `headmoe.pipeline.interfaces.ComponentSource`."""
+    the stand-ins); a `TypeError` for another `headmoe.pipeline.interfaces.ReleaseFolder`."""
     if job.release is None or isinstance(job.release, Release):
         return job.release
     raise TypeError(f"job.release must be a headmoe.release.folder.Release, got "
