@@ -1,5 +1,5 @@
 """Block-sparse range attention on the GPU: a Triton flash-attention kernel over the
-query tiles and key ranges of a `headmoe.layers.range_attention.RangePlan`, GQA by index.
+query tiles and key ranges of a `headmoe.layers.range_plan.RangePlan`, GQA by index.
 
 Maths (same as `range_attention_reference`): for query head j and KV head
 `j // (Hq / Hkv)`, each query row of tile r gets `softmax(q.k * scale) v` over the keys of
@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from headmoe.layers import triton_attention
-from headmoe.layers.range_attention import RangePlan
+from headmoe.layers.range_plan import RangePlan
 from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 
@@ -53,7 +53,8 @@ DEFAULT_RANGE_TILES = RangeTiles()
 supported = triton_attention.supported
 
 
-def _check_args(q, k, v, plan: RangePlan, tiles: RangeTiles) -> None:
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RangePlan,
+                tiles: RangeTiles) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in KERNEL_FLOATS:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t)
