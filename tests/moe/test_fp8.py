@@ -21,8 +21,9 @@ from tests.moe.common import full_state, oracle
 
 CFG = MoEConfig(hidden_size=64, num_heads=4, num_experts=8, top_k=2,
                 expert_intermediate_size=32, route_scale=2.5)  # fmt: skip
-ODD = MoEConfig(hidden_size=24, num_heads=4, num_experts=5, top_k=3,
-                expert_intermediate_size=10)  # fmt: skip  (d=6, f=10: padded features)
+ODD = MoEConfig(
+    hidden_size=24, num_heads=4, num_experts=5, top_k=3, expert_intermediate_size=10
+)  # fmt: skip  (d=6, f=10: padded features)
 NAMES = ("W_gate", "W_up", "W_down")
 
 

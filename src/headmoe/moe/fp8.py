@@ -111,8 +111,12 @@ def channel_scales(name: str, w: torch.Tensor) -> torch.Tensor:
     """The fp32 scale `[R, N]` of each (row, output channel) of w `[R, K, N]`: amax / 448,
     1 for an all-zero channel. ValueError naming `name` for NaN/Inf, a dtype outside
     `SOURCE_DTYPES`, or a nonzero channel whose scale would not be a normal fp32."""
-    if (not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype not in SOURCE_DTYPES
-            or w.shape[1] == 0):
+    if (
+        not isinstance(w, torch.Tensor)
+        or w.dim() != 3
+        or w.dtype not in SOURCE_DTYPES
+        or w.shape[1] == 0
+    ):
         raise ValueError(f"{name}: expected a 3-d tensor [R, K, N] (K > 0) of one of "
                          f"{SOURCE_DTYPES}, got {_describe(w)}")  # fmt: skip
     check_finite(name, w)
