@@ -11,6 +11,7 @@ from headmoe.moe.fp8 import quantize
 from headmoe.moe.fp8_experts import experts_fp8
 from headmoe.moe.triton_fp8 import experts_triton_fp8
 from headmoe.moe.triton_moe import MoETiles
+from tests.moe.test_compile_check import _compile_check
 from tests.triton_interp import interpreted  # noqa: F401  (sets TRITON_INTERPRET first)
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("interpreted")]
@@ -41,9 +42,12 @@ def _routed(n: int, seed: int, dtype=torch.float32):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_w8a16_experts_match_the_cpu_fp8_path(dtype):
+    """Both E4M3 widenings (the hardware's conversion; bit operations on uint8 bytes)
+    give the same bits, within 1e-5 (fp32) of the CPU FP8 path."""
     z, ids, w = _routed(60, seed=1, dtype=dtype)
     weights = _weights(2)
-    out = experts_triton_fp8(z, ids, w, *weights, tiles=TILES)
+    out = experts_triton_fp8(z, ids, w, *weights, tiles=TILES, native=True)
+    assert torch.equal(out, experts_triton_fp8(z, ids, w, *weights, tiles=TILES, native=False))
     ref = experts_fp8(z, ids, w, *weights)
     assert out.dtype == dtype and out.shape == z.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -82,3 +86,42 @@ def test_bad_w8a16_arguments_raise_value_errors_naming_the_field():
         experts_triton_fp8(z, ids, w, wg.dequantize(), wu, wd, tiles=TILES)
     with pytest.raises(ValueError, match="gate_k"):
         experts_triton_fp8(z, ids, w, wg, wu, wd, tiles=MoETiles(gate_k=32))
+
+
+def test_w8a16_kernels_compile_for_hopper_with_wgmma_and_no_spills():
+    """benchmarks/compile_check.py (a fresh process, ptxas bundled with triton) at the
+    production tiles and MAGI-2's per-rank shapes: wgmma, TMA, no spills, shared memory
+    within the H100/H200 limit (the check exits 1 otherwise)."""
+    names = ("gate_up_fp8", "gate_up_fp8_bits", "down_fp8", "down_fp8_bits")
+    run = _compile_check("--kernels", ",".join(names))
+    assert run.returncode == 0, run.stderr[-2000:]
+    for name in names:
+        line = next(x for x in run.stdout.splitlines() if x.startswith(name))
+        assert "wgmma=True" in line and "tma=True" in line and "spill_bytes=    0" in line
+
+
+def test_bit_widening_gives_every_e4m3_value():
+    """All 254 non-NaN bytes (subnormals, -0 and +-448 included) widened by `_e4m3_bits`
+    to fp32, fp16 and bf16 equal torch's float8_e4m3fn conversion, bit for bit."""
+    import triton
+    import triton.language as tl
+
+    from headmoe.moe import triton_fp8_kernels
+
+    # the interpreter resolves a kernel's callees in its module's globals, not closures
+    globals()["_e4m3_bits"] = triton_fp8_kernels._e4m3_bits
+
+    @triton.jit
+    def widen(src_ptr, out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        widened = _e4m3_bits(tl.load(src_ptr + i), out_ptr.dtype.element_ty)  # noqa: F821
+        tl.store(out_ptr + i, widened)
+
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    data[(data & 0x7F) == 0x7F] = 0  # the two NaN bytes: never in an Fp8Weight
+    expected = data.view(torch.float8_e4m3fn).float()
+    for dtype in (torch.float32, torch.float16):  # (bf16: the interpreter mis-reads it)
+        out = torch.empty(256, dtype=dtype)
+        widen[(1,)](data, out, N=256)
+        assert torch.equal(out.float(), expected), dtype
+        assert torch.equal(out.float().signbit(), expected.signbit())  # -0 kept

@@ -48,13 +48,19 @@ ZERO_CHANNEL_SCALE = 1.0
 class Fp8Weight:
     """One expert weight in FP8: `data` `[R, K, N]` float8_e4m3fn (R = h*E rows, K the
     GEMM's reduction dim, N its output channels) and `scale` `[R, N]` fp32, one per (row,
-    output channel). Made by `quantize`; checked at construction."""
+    output channel). Made by `quantize`; checked at construction (shapes, dtypes, no NaN
+    bytes)."""
 
     data: torch.Tensor
     scale: torch.Tensor
 
     def __post_init__(self) -> None:
         check_fp8_weight("Fp8Weight", self.data, self.scale)
+        nan = (self.data.view(torch.uint8) & 0x7F) == 0x7F  # E4M3 has no Inf; NaN is s1111111
+        if bool(nan.any()):
+            first = tuple(int(i) for i in nan.nonzero()[0])
+            raise ValueError(f"Fp8Weight: data has {int(nan.sum())} NaN byte(s), the first at "
+                             f"index {first}")  # fmt: skip
 
     @property
     def shape(self) -> torch.Size:
