@@ -112,6 +112,10 @@ def test_nan_inf_and_bad_tensors_are_refused_by_name():
         Fp8Weight(q.data.float(), q.scale)
     with pytest.raises(ValueError, match="dequantize: scale"):
         dequantize(q.data, q.scale.double())
+    nan = q.data.clone()
+    nan.view(torch.uint8)[1, 0, 2] = 0xFF  # E4M3's NaN (it has no Inf)
+    with pytest.raises(ValueError, match=r"1 NaN byte\(s\), the first at index \(1, 0, 2\)"):
+        Fp8Weight(nan, q.scale)
 
 
 @pytest.mark.parametrize("cfg", [CFG, ODD], ids=["aligned", "padded"])
