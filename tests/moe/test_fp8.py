@@ -79,6 +79,20 @@ def test_quantizing_dequantized_values_gives_the_same_bytes_and_scales():
         assert torch.equal(again.scale, q.scale)
 
 
+def test_dequantize_equals_torchs_float8_conversion_for_every_byte():
+    """`dequantize` goes through fp16 bits; for all 254 non-NaN bytes (subnormals, -0,
+    +-448) and scales across the fp32 range it gives `data.to(fp32) * scale` bit for bit."""
+    data = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    data = data[(data & 0x7F) != 0x7F].view(torch.float8_e4m3fn)  # no NaN bytes
+    scales = torch.tensor([1.0, 3.1e-5, 7.7e35, 1.2e-36, 0.123456789, 2.0**-20])
+    q = data.view(1, -1, 1).expand(scales.numel(), -1, 1).contiguous()
+    s = scales.view(-1, 1)
+    got = dequantize(q, s)
+    expected = q.to(torch.float32) * s[:, None, :]
+    assert torch.equal(got, expected) and got.dtype == torch.float32
+    assert torch.equal(got.signbit(), expected.signbit())
+
+
 def test_scales_survive_re_quantization_for_every_fp32_amax_mantissa():
     """scale = amax/448; its channel's dequantized amax is 448*scale; (448*scale)/448
     must give scale back, for all 2**23 mantissas of one binade (powers of two scale the
