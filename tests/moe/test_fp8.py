@@ -68,6 +68,22 @@ def test_scales_are_channel_amax_over_448_and_one_for_zero_channels():
     assert bool((err <= w.float().abs() * 2**-4 + q.scale[:, None, :] * 2**-10).all())
 
 
+def test_quantize_in_row_blocks_equals_the_whole_tensor_at_once(monkeypatch):
+    """Rows quantize independently: any block size gives the same bytes (so does a head
+    shard quantized alone)."""
+    from headmoe.moe import fp8
+
+    w = torch.randn(37, 8, 12, generator=torch.Generator().manual_seed(20)).bfloat16()
+    whole = quantize("W_gate", w)
+    for rows in (1, 5, 64):
+        monkeypatch.setattr(fp8, "QUANTIZE_ROWS", rows)
+        part = quantize("W_gate", w)
+        assert torch.equal(part.data.view(torch.uint8), whole.data.view(torch.uint8))
+        assert torch.equal(part.scale, whole.scale)
+    shard = quantize("W_gate", w[10:20])
+    assert torch.equal(shard.data.view(torch.uint8), whole.data[10:20].view(torch.uint8))
+
+
 def test_quantizing_dequantized_values_gives_the_same_bytes_and_scales():
     g = torch.Generator().manual_seed(2)
     for w in (torch.randn(6, 64, 48, generator=g) * 3,
@@ -111,6 +127,12 @@ def test_nan_inf_and_bad_tensors_are_refused_by_name():
     w[1, 2, 3] = float("-inf")
     with pytest.raises(ValueError, match=r"W_up: 1 NaN/Inf"):
         quantize("W_up", w)
+    big = torch.randn(40, 3, 4)
+    big[37, 1, 2] = float("inf")  # in the third block of QUANTIZE_ROWS rows
+    with pytest.raises(
+        ValueError, match=r"W_up: 1 NaN/Inf value\(s\) \(the first at index \(37, 1, 2\): inf"
+    ):
+        quantize("W_up", big)
     with pytest.raises(ValueError, match="W_gate: expected a 3-d tensor"):
         quantize("W_gate", torch.randn(3, 4))
     with pytest.raises(ValueError, match="W_gate: expected"):

@@ -104,20 +104,19 @@ def _describe(t: object) -> str:
     return type(t).__name__
 
 
-def check_finite(name: str, w: torch.Tensor) -> None:
-    """ValueError naming `name`, the count and the first index of NaN/Inf values of w."""
+def check_finite(name: str, w: torch.Tensor, row0: int = 0) -> None:
+    """ValueError naming `name`, the count and the first index of NaN/Inf values of w (w's
+    first index counted from `row0`: w may be rows of a larger tensor)."""
     bad = ~torch.isfinite(w)
     if bool(bad.any()):
         first = tuple(int(i) for i in bad.nonzero()[0])
+        where = (first[0] + row0, *first[1:])
         raise ValueError(f"{name}: {int(bad.sum())} NaN/Inf value(s) (the first at index "
-                         f"{first}: {float(w[first])}); FP8 quantization takes finite "
+                         f"{where}: {float(w[first])}); FP8 quantization takes finite "
                          "weights only")  # fmt: skip
 
 
-def channel_scales(name: str, w: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale `[R, N]` of each (row, output channel) of w `[R, K, N]`: amax / 448,
-    1 for an all-zero channel. ValueError naming `name` for NaN/Inf, a dtype outside
-    `SOURCE_DTYPES`, or a nonzero channel whose scale would not be a normal fp32."""
+def _check_source(name: str, w: torch.Tensor) -> None:
     if (
         not isinstance(w, torch.Tensor)
         or w.dim() != 3
@@ -126,24 +125,45 @@ def channel_scales(name: str, w: torch.Tensor) -> torch.Tensor:
     ):
         raise ValueError(f"{name}: expected a 3-d tensor [R, K, N] (K > 0) of one of "
                          f"{SOURCE_DTYPES}, got {_describe(w)}")  # fmt: skip
-    check_finite(name, w)
+
+
+def channel_scales(name: str, w: torch.Tensor, row0: int = 0) -> torch.Tensor:
+    """The fp32 scale `[R, N]` of each (row, output channel) of w `[R, K, N]`: amax / 448,
+    1 for an all-zero channel. ValueError naming `name` (and rows counted from `row0`) for
+    NaN/Inf, a dtype outside `SOURCE_DTYPES`, or a nonzero channel whose scale would not be
+    a normal fp32."""
+    _check_source(name, w)
+    check_finite(name, w, row0)
     amax = w.float().abs().amax(dim=1)
     scale = amax / FP8_MAX
     tiny = (amax > 0) & (scale < torch.finfo(torch.float32).tiny)
     if bool(tiny.any()):
         r, c = (int(i) for i in tiny.nonzero()[0])
-        raise ValueError(f"{name}: row {r} channel {c} has amax {float(amax[r, c]):.3e}, "
-                         "too small for a normal fp32 scale")  # fmt: skip
+        raise ValueError(f"{name}: row {r + row0} channel {c} has amax "
+                         f"{float(amax[r, c]):.3e}, too small for a normal fp32 scale")  # fmt: skip
     return torch.where(amax > 0, scale, ZERO_CHANNEL_SCALE)
+
+
+#: `quantize` works through this many (head, expert) rows at a time (its fp32 temporaries
+#: are ~2 x 16 x d x d_expert x 4 bytes, 42 MB at MAGI-2's sizes); rows are independent
+QUANTIZE_ROWS = 16
 
 
 def quantize(name: str, w: torch.Tensor) -> Fp8Weight:
     """w `[R, K, N]` (bf16/fp16/fp32, finite) -> `Fp8Weight` (data `[R, K, N]`
-    float8_e4m3fn, scale `[R, N]` fp32) by the rule of this module; `name` (the tensor's
+    float8_e4m3fn, scale `[R, N]` fp32) by the rule of this module, `QUANTIZE_ROWS` rows at
+    a time (peak memory: the result plus small temporaries); `name` (the tensor's
     checkpoint name) is in every error."""
-    scale = channel_scales(name, w)
-    q = (w.float() / scale[:, None, :]).clamp_(-FP8_MAX, FP8_MAX)
-    return Fp8Weight(q.to(FP8_DTYPE), scale)
+    _check_source(name, w)
+    data = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty((w.shape[0], w.shape[2]), dtype=torch.float32, device=w.device)
+    for r0 in range(0, w.shape[0], QUANTIZE_ROWS):
+        part = w[r0 : r0 + QUANTIZE_ROWS]
+        s = scale[r0 : r0 + QUANTIZE_ROWS]
+        s.copy_(channel_scales(name, part, r0))
+        q = (part.float() / s[:, None, :]).clamp_(-FP8_MAX, FP8_MAX)
+        data[r0 : r0 + QUANTIZE_ROWS] = q.to(FP8_DTYPE)
+    return Fp8Weight(data, scale)
 
 
 #: E4M3 bits shifted left by 7 are the fp16 of value/256 (exponent bias 7 vs 15)
