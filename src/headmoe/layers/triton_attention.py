@@ -43,15 +43,18 @@ class AttentionTiles:
     the interpreter). Rows compared for bits must come from calls with the same tiles."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         check_tile_sizes(self, ("block_m", "block_n"))
 
 
-#: the production tiles (bf16, D=128, Hopper)
+#: the production tiles (bf16, D=128, Hopper): 128 keys per step (half the steps of 64, so
+#: half the per-step max / rescale work) and 2 stages; `benchmarks/compile_check.py` for
+#: sm_90a: 186 registers, no spills, 163,904 of 232,448 shared bytes (3 stages: 229,464).
+#: Timed against other tiles on a device by `benchmarks/gpu_check.py` section d.
 DEFAULT_ATTENTION_TILES = AttentionTiles()
 
 
@@ -72,13 +75,13 @@ def _packed_heads(t: torch.Tensor) -> torch.Tensor:
     return t if ok and (t.stride(0) * t.element_size()) % 16 == 0 else t.contiguous()
 
 
-def _head_desc(t: torch.Tensor, rows: int):
+def _head_desc(t: torch.Tensor, rows: int) -> object:
     """A TMA descriptor of t `[L, heads, D]` viewed `[L, heads*D]`, blocks `[rows, D]`."""
     length, heads, d = t.shape
     return descriptor(t, [rows, d], shape=[max(length, 1), heads * d], strides=[t.stride(0), 1])
 
 
-def _check_args(q, k, v, sinks) -> None:
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> None:
     """ValueError naming the first bad argument of `triton_sink_attention`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in KERNEL_FLOATS:
