@@ -13,6 +13,7 @@ from headmoe.moe.fp8 import (
     FP8_MAX,
     Fp8Weight,
     channel_scales,
+    check_fp8_bytes,
     dequantize,
     quantize,
 )
@@ -150,8 +151,10 @@ def test_nan_inf_and_bad_tensors_are_refused_by_name():
         dequantize(q.data, q.scale.double())
     nan = q.data.clone()
     nan.view(torch.uint8)[1, 0, 2] = 0xFF  # E4M3's NaN (it has no Inf)
-    with pytest.raises(ValueError, match=r"1 NaN byte\(s\), the first at index \(1, 0, 2\)"):
-        Fp8Weight(nan, q.scale)
+    with pytest.raises(ValueError, match=r"W_up: 1 NaN byte\(s\) in FP8 data, the first at "
+                       r"index \(1, 0, 2\)"):  # fmt: skip
+        check_fp8_bytes("W_up", nan)
+    check_fp8_bytes("W_up", q.data)  # quantize never writes one
 
 
 @pytest.mark.parametrize("cfg", [CFG, ODD], ids=["aligned", "padded"])

@@ -118,7 +118,7 @@ def test_bit_widening_gives_every_e4m3_value():
         tl.store(out_ptr + i, widened)
 
     data = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    data[(data & 0x7F) == 0x7F] = 0  # the two NaN bytes: never in an Fp8Weight
+    data[(data & 0x7F) == 0x7F] = 0  # the two NaN bytes: refused by check_fp8_bytes
     expected = data.view(torch.float8_e4m3fn).float()
     for dtype in (torch.float32, torch.float16):  # (bf16: the interpreter mis-reads it)
         out = torch.empty(256, dtype=dtype)

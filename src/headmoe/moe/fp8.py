@@ -49,19 +49,15 @@ ZERO_CHANNEL_SCALE = 1.0
 class Fp8Weight:
     """One expert weight in FP8: `data` `[R, K, N]` float8_e4m3fn (R = h*E rows, K the
     GEMM's reduction dim, N its output channels) and `scale` `[R, N]` fp32, one per (row,
-    output channel). Made by `quantize`; checked at construction (shapes, dtypes, no NaN
-    bytes)."""
+    output channel). Made by `quantize` (never NaN bytes) or from stored tensors, whose
+    loader calls `check_fp8_bytes` once; construction checks shapes and dtypes only (cheap:
+    an experts call may wrap a layer's tensors in one each forward)."""
 
     data: torch.Tensor
     scale: torch.Tensor
 
     def __post_init__(self) -> None:
         check_fp8_weight("Fp8Weight", self.data, self.scale)
-        nan = (self.data.view(torch.uint8) & 0x7F) == 0x7F  # E4M3 has no Inf; NaN is s1111111
-        if bool(nan.any()):
-            first = tuple(int(i) for i in nan.nonzero()[0])
-            raise ValueError(f"Fp8Weight: data has {int(nan.sum())} NaN byte(s), the first at "
-                             f"index {first}")  # fmt: skip
 
     @property
     def shape(self) -> torch.Size:
@@ -96,6 +92,17 @@ def check_fp8_weight(name: str, data: torch.Tensor, scale: torch.Tensor) -> None
     ):
         raise ValueError(f"{name}: scale must be fp32 [{r}, {n}] on {data.device}, got "
                          f"{_describe(scale)}")  # fmt: skip
+
+
+def check_fp8_bytes(name: str, data: torch.Tensor) -> None:
+    """ValueError naming `name`, the count and the first index of E4M3 NaN bytes (`s1111111`;
+    E4M3 has no Inf) in data (float8_e4m3fn): for FP8 tensors read from a file. `quantize`
+    never writes them; the kernels' bit widening (`triton_fp8_kernels`) assumes none."""
+    nan = (data.view(torch.uint8) & 0x7F) == 0x7F
+    if bool(nan.any()):
+        first = tuple(int(i) for i in nan.nonzero()[0])
+        raise ValueError(f"{name}: {int(nan.sum())} NaN byte(s) in FP8 data, the first at "
+                         f"index {first}")  # fmt: skip
 
 
 def _describe(t: object) -> str:
@@ -179,7 +186,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     subnormal, so `fp16 * (256 * scale)` is the product `q * scale` rounded once (256 *
     scale is exact). torch 2.13's CPU float8 -> fp32 conversion is scalar; this is ~5x
     faster (measured: 1.7 vs 8.9 ms for one MAGI-2 W_gate block, one thread). Equal bits
-    for all 254 non-NaN bytes (tests/moe/test_fp8.py); `Fp8Weight` refuses NaN bytes."""
+    for all 254 non-NaN bytes (tests/moe/test_fp8.py); NaN bytes: `check_fp8_bytes`."""
     check_fp8_weight("dequantize", data, scale)
     bits = data.view(torch.int8).to(torch.int16)  # sign-extended: bits 15..8 = the sign
     bits <<= 7

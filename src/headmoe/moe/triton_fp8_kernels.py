@@ -22,8 +22,8 @@ import triton.language as tl
 def _e4m3_bits(b, dtype: tl.constexpr):
     """uint8 E4M3 bytes -> their values in `dtype`, exactly, with integer ops and one fp32
     product: (m + 8 [normal]) * 2**(max(e, 1) - 10), the power of two built from its bits
-    (never a denormal), sign from bit 7 (-0 kept). NaN bytes (0x7f, 0xff) are refused when
-    an `Fp8Weight` is made, so they never reach here."""
+    (never a denormal), sign from bit 7 (-0 kept). NaN bytes (0x7f, 0xff) would widen to
+    +-3840: `quantize` never writes them and loaders refuse them (`fp8.check_fp8_bytes`)."""
     bits = b.to(tl.int32)
     e = (bits >> 3) & 15
     m = bits & 7
