@@ -232,3 +232,24 @@ def test_bad_fp8_expert_arguments_name_the_weight():
         experts_fp8(z, ids, w, wg, deq["W_up"], wd)
     with pytest.raises(ValueError, match="w_down must be FP8"):
         experts_fp8(z, ids, w, wg, wu, wu)
+
+
+def test_the_fp8_format_plugs_into_the_layer_with_the_grouped_paths_bits():
+    """`MultiHeadMoE(experts=Fp8Experts())` loaded with quantized tensors (full rows, as a
+    checkpoint holds them) equals the bf16-format layer loaded with the dequantized ones."""
+    from headmoe.moe import MultiHeadMoE
+    from headmoe.moe.fp8_format import SCALE_SUFFIX, Fp8Experts
+
+    cfg = MoEConfig(hidden_size=48, num_heads=3, num_experts=4, top_k=2,
+                    expert_intermediate_size=32, route_scale=2.5)  # fmt: skip
+    state = full_state(cfg, seed=21)
+    fp8 = {n: quantize(n, state[n]) for n in NAMES}
+    layer = MultiHeadMoE(cfg, experts=Fp8Experts())
+    assert layer.W_gate.dtype == FP8_DTYPE and layer.W_down_scale.shape == (12, 16)
+    q_state = dict(state, **{n: fp8[n].data for n in NAMES},
+                   **{n + SCALE_SUFFIX: fp8[n].scale for n in NAMES})  # fmt: skip
+    layer.load_state_dict(q_state)
+    ref = MultiHeadMoE(cfg)
+    ref.load_state_dict(dict(state, **{n: fp8[n].dequantize() for n in NAMES}))
+    x = torch.randn(30, 48, generator=torch.Generator().manual_seed(22))
+    assert torch.equal(layer(x), ref(x))
