@@ -404,7 +404,8 @@ def _image(args: argparse.Namespace, request: GenerateRequest, release: Any) -> 
     if release is None or release.image_encoder is None:
         raise UserError(f"--image needs a release folder with vae/ (the Wan2.2 encoder), not "
                         f"--model {args.model!r}")
-    from headmoe.pipeline.image import ImageError, read_image
+    from headmoe.pipeline.image import ImageError
+    from headmoe.pipeline.image_worker import read_image
 
     try:
         image = read_image(args.image, request.height, request.width)

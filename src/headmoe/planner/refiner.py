@@ -21,8 +21,8 @@ import torch
 from headmoe.config import ParallelConfig
 from headmoe.distributed.sharding import sp_heads, sp_kv_heads, sp_token_counts
 from headmoe.models.refiner import MLP_CHUNK_ROWS, Magi2RefinerConfig, refiner_weight_bytes
+from headmoe.pipeline.latents import frame_count
 from headmoe.planner.memory import MemoryEstimate, decoded_video_bytes
-from headmoe.release.video_latents import frame_count
 
 #: live fp32 copies of the residual-width tensors in one layer (residual, norm output,
 #: attention branch, gated output) and of one MLP chunk's [rows, 2I] (up_gate output, its
