@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -93,3 +93,19 @@ class Components:
     image_encoder: ImageEncoder | None = None
     refiner: Refiner | None = None
     """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""
+
+
+class ReleaseFolder(Protocol):
+    """A checked release folder as a job holds it (`headmoe.release.folder.Release`
+    implements it): what the pipeline reads of it without importing the release layer."""
+
+    @property
+    def image_encoder(self) -> str | None:
+        """The ``vae/`` folder of the I2V image encoder (None: no image input)."""
+
+    @property
+    def refiner(self) -> str | None:
+        """The refiner checkpoint under ``refiner/`` (None: the folder has none)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the sidecar records about the folder."""
