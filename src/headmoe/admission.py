@@ -25,7 +25,7 @@ What it owns, in the order it checks:
 6. the text tokens of both prompts, counted by the deployment's tokenizer (the release's,
    capped at its 7,000-token limit), for
 7. the one memory estimate (`headmoe.planner.memory.estimate_memory`) against the one
-   budget (`memory_budget`).
+   budget (`headmoe.deployment.memory_budget`, the `Deployment`'s).
 """
 
 from __future__ import annotations

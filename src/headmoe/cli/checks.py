@@ -17,6 +17,7 @@ from typing import Any
 
 from headmoe.errors import UserError
 from headmoe.files import listing
+from headmoe.models.magi2 import check_checkpoint
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.request import MAX_PROMPT_CHARS
 
@@ -102,8 +103,6 @@ def check_weights(dep: Deployment, scan: bool) -> None:
     """The transformer checkpoint's headers (a bare checkpoint's: a release's were checked
     when its `Deployment` was built) and, with ``scan`` (``--check-weights``), every tensor
     of it and of the release's components; refused naming the file or tensor."""
-    from headmoe.models.magi2 import check_checkpoint
-
     if dep.release is not None and not scan:
         return
     headers, report = check_checkpoint(dep.model_config, dep.checkpoint)  # headers only

@@ -301,8 +301,6 @@ def check_request(args: argparse.Namespace) -> None:
     forwarded flags give that admission refuses under any of the layouts (the model's
     configuration only: each run's own ``generate`` checks its world, weights and memory
     budget)."""
-    from headmoe.planner.predict import layout_topology
-
     dep = build_deployment(flags.options_of(args, config_only=True))
     model = dep.model_config
     parallels = []

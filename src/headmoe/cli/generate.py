@@ -26,7 +26,7 @@ from headmoe.deployment import build_deployment
 from headmoe.distributed.context import set_rank_threads
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.errors import Refusal, UserError
-from headmoe.pipeline.image import ReferenceImage
+from headmoe.pipeline.image import ImageError, ReferenceImage, read_image
 from headmoe.pipeline.interfaces import ReleaseFolder
 from headmoe.pipeline.job import GenerateJob
 from headmoe.pipeline.request import GenerateRequest
@@ -110,8 +110,6 @@ def _image(args: argparse.Namespace, request: GenerateRequest,
     if release is None or release.image_encoder is None:
         raise UserError(f"--image needs a release folder with vae/ (the Wan2.2 encoder), not "
                         f"--model {args.model!r}")
-    from headmoe.pipeline.image import ImageError, read_image
-
     try:
         image = read_image(args.image, request.height, request.width)
     except ImageError as exc:

@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headmoe.config import check_positive_int, check_positive_number, is_int
+from headmoe.models.magi2.config import PRESETS
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.job import GenerateJob
+from headmoe.pipeline.recipe import RELEASED
 from headmoe.pipeline.refine import RefinerStage
+from headmoe.pipeline.released import RELEASED_MODEL_ID
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.release.components import magi2_components
 
@@ -58,10 +61,6 @@ class ServeSpec:
         """The names a request's ``model`` may give, none of them a server path: the
         recipe's preset name (``magi2-preview`` / ``tiny``), the release's Hugging Face id
         for a MAGI-2 Preview model, and ``--model`` when it is a preset name."""
-        from headmoe.models.magi2.config import PRESETS
-        from headmoe.pipeline.recipe import RELEASED
-        from headmoe.pipeline.released import RELEASED_MODEL_ID
-
         try:
             recipe = self.deployment.recipe
         except AttributeError:  # a stand-in config without a schema (tests)
