@@ -134,7 +134,7 @@ def _matmul(dtype: torch.dtype) -> tuple:
         stride_am=HIDDEN, stride_ak=1, stride_bg=0, stride_bk=1, stride_bn=HIDDEN,
         stride_cg=HIDDEN * 1024, stride_cm=HIDDEN, stride_cn=1),
         dict(HAS_BIAS=False, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k),
+             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m),
         {"num_warps": t.num_warps, "num_stages": t.num_stages})  # fmt: skip
 
 

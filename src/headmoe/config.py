@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import torch
 
@@ -25,17 +25,17 @@ MoEExchange = Literal["auto", "ep_group", "sp_group"]
 MOE_EXCHANGES: tuple[str, ...] = ("auto", "ep_group", "sp_group")
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """True for an `int` that is not a `bool` (the one integer test of headmoe)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """True for an `int` or `float` that is not a `bool`."""
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def check_positive_int(name: str, value: Any) -> int:
+def check_positive_int(name: str, value: object) -> int:
     """Return `value` if it is a strict positive `int` (not bool), else raise `ValueError`.
 
     The message names the field and the offending value, e.g.
@@ -46,7 +46,7 @@ def check_positive_int(name: str, value: Any) -> int:
     return value
 
 
-def check_positive_number(name: str, value: Any) -> float:
+def check_positive_number(name: str, value: object) -> float:
     """Return `value` if it is a finite number > 0 (int or float, not bool), else raise
     `ValueError` naming the field and the value."""
     if not is_number(value) or not 0 < value < math.inf:

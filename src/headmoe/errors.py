@@ -32,5 +32,5 @@ class Refusal(UserError):
         super().__init__(message)
         self.field, self.value, self.message = field, value, message
 
-    def __reduce__(self):  # picklable (ranks, spawned processes)
+    def __reduce__(self) -> tuple[type[Refusal], tuple[str, object, str]]:  # picklable (ranks, spawned processes)
         return (type(self), (self.field, self.value, self.message))

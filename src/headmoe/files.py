@@ -73,7 +73,7 @@ def _hf_blobs(base: str) -> str | None:
     return None
 
 
-def entry_problem(folder: str | os.PathLike, entry: str) -> tuple[str | None, str]:
+def entry_problem(folder: str | os.PathLike[str], entry: str) -> tuple[str | None, str]:
     """(why ``entry`` is refused, or None; its resolved path) for `confined_file`. The
     reason is short: "missing", "not a relative file name", "outside the folder", "a link
     to <path>, outside the folder", "not a regular file". Nothing is opened."""
@@ -94,7 +94,7 @@ def entry_problem(folder: str | os.PathLike, entry: str) -> tuple[str | None, st
     return (None if stat.S_ISREG(mode) else "not a regular file"), real
 
 
-def confined_file(folder: str | os.PathLike, entry: str, what: str) -> str:
+def confined_file(folder: str | os.PathLike[str], entry: str, what: str) -> str:
     """The resolved path of ``entry`` (a relative name read from ``what``) in ``folder``.
 
     Raises `ValueError` naming ``what``, ``entry`` and the folder when it is absolute,
@@ -111,7 +111,7 @@ def confined_file(folder: str | os.PathLike, entry: str, what: str) -> str:
     return real
 
 
-def check_entries(folder: str | os.PathLike, what: str) -> None:
+def check_entries(folder: str | os.PathLike[str], what: str) -> None:
     """Every top-level entry of ``folder`` is a folder or a `confined_file` (before a
     library that picks files by itself reads it)."""
     folder = os.fspath(folder)
@@ -120,7 +120,7 @@ def check_entries(folder: str | os.PathLike, what: str) -> None:
             confined_file(folder, entry, what)
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
     """The parsed JSON of ``path`` (a regular file); `ValueError` naming ``what`` and the
     file when it cannot be read or parsed."""
     path = os.fspath(path)
@@ -135,7 +135,7 @@ def read_json(path: str | os.PathLike, what: str) -> Any:
         raise ValueError(f"{what} {path!r} is nested too deeply to be read") from None
 
 
-def index_map(path: str | os.PathLike) -> dict[str, str]:
+def index_map(path: str | os.PathLike[str]) -> dict[str, str]:
     """name -> resolved shard file of a ``*.safetensors.index.json``; every shard is a
     `confined_file` of the index's folder (which is resolved, not the index's link)."""
     path = os.fspath(path)
@@ -152,7 +152,7 @@ def index_map(path: str | os.PathLike) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------- atomic writes
-def temp_path(path: str | os.PathLike) -> Path:
+def temp_path(path: str | os.PathLike[str]) -> Path:
     """``<folder>/.<name>.<pid>.<uuid8>.tmp`` beside ``path`` (same file system)."""
     path = Path(path)
     return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -173,7 +173,7 @@ def _publish(tmp: Path, path: Path) -> None:
     os.unlink(tmp)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *,
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None], *,
                  overwrite: bool = True) -> None:
     """``write(tmp)`` then move ``tmp`` to ``path`` in one step (see the module docstring);
     the temp file never stays. Without ``overwrite`` an existing ``path`` (made meanwhile by
@@ -196,7 +196,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], *,
             tmp.unlink()
 
 
-def atomic_folder(path: str | os.PathLike, build: Callable[[Path], None]) -> Path:
+def atomic_folder(path: str | os.PathLike[str], build: Callable[[Path], None]) -> Path:
     """``build(tmp)`` into a temp folder beside ``path``, then rename it to ``path``; a
     concurrent builder that renamed first wins and is kept. The temp folder never stays."""
     path = Path(path)

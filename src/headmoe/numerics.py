@@ -63,7 +63,7 @@ def _mkl() -> ctypes.CDLL | None:
     import torch
 
     lib = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    if not torch.backends.mkl.is_available() or not lib.is_file():
+    if not torch.backends.mkl.is_available() or not lib.is_file():  # type: ignore[no-untyped-call]
         return None
     handle = ctypes.CDLL(str(lib))
     if not hasattr(handle, "mkl_serv_cbwr_set"):

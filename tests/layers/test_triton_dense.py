@@ -70,6 +70,19 @@ def test_gemm_sub_batches_and_groups_equal_the_full_call():
     assert torch.allclose(grouped, torch.bmm(xs, ws), rtol=1e-5, atol=1e-5)
 
 
+def test_gemm_tile_order_covers_every_tile_and_keeps_the_bits():
+    """`group_m` (the order programs take tiles in) writes every tile exactly as the
+    row-major order does: 12 x 6 tiles of 16, so groups of 5 and 8 end with a partial one."""
+    x, w = _rows(16 * 11 + 3, 40, 7, torch.float32), _rows(40, 16 * 5 + 1, 8, torch.float32)
+    outs = [triton_dense.matmul(x, w, tiles=triton_dense.DenseTiles(
+        block_m=16, block_n=16, block_k=16, group_m=g)) for g in (1, 3, 5, 8, 64)]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    assert torch.allclose(outs[0].double(), x.double() @ w.double(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="DenseTiles.group_m must be a positive int, got 0"):
+        triton_dense.DenseTiles(group_m=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rms_norm_rows_do_not_depend_on_row_count_or_position(dtype):
     weight = torch.randn(C, generator=torch.Generator().manual_seed(7)) * 0.1

@@ -26,7 +26,7 @@ class Linear(nn.Module):
 
         An `in` that is not a multiple of `ALIGN` values is zero-padded on both operands
         (same result; keeps every row of x 64-byte aligned, see `headmoe.layers.matmul`)."""
-        w = self.weight
+        w: torch.Tensor = self.weight
         x = x.to(w.dtype)
         if w.shape[1] % ALIGN:
             pad = ALIGN - w.shape[1] % ALIGN

@@ -29,6 +29,8 @@ rows are invariant by construction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -45,14 +47,15 @@ MIN_ROWS = 16
 _ONEDNN_FLOATS = (torch.bfloat16, torch.float16)
 
 
-def _cpu_product(op, *operands: torch.Tensor | None) -> torch.Tensor:
+def _cpu_product(op: Callable[..., torch.Tensor], first: torch.Tensor,
+                 *operands: torch.Tensor | None) -> torch.Tensor:
     """``op(*operands)`` on the CPU with a thread-count-independent kernel: reduced floats
     (`_ONEDNN_FLOATS`) computed in fp32 by oneMKL and returned in the first operand's dtype."""
-    dtype = operands[0].dtype
+    dtype = first.dtype
     if dtype not in _ONEDNN_FLOATS:
-        return op(*operands)
+        return op(first, *operands)
     wide = [None if t is None else t.float() for t in operands]
-    return op(*wide).to(dtype)
+    return op(first.float(), *wide).to(dtype)
 
 
 def _pad_rows(x2d: torch.Tensor) -> torch.Tensor:

@@ -72,13 +72,13 @@ def _packed_heads(t: torch.Tensor) -> torch.Tensor:
     return t if ok and (t.stride(0) * t.element_size()) % 16 == 0 else t.contiguous()
 
 
-def _head_desc(t: torch.Tensor, rows: int):
+def _head_desc(t: torch.Tensor, rows: int) -> object:
     """A TMA descriptor of t `[L, heads, D]` viewed `[L, heads*D]`, blocks `[rows, D]`."""
     length, heads, d = t.shape
     return descriptor(t, [rows, d], shape=[max(length, 1), heads * d], strides=[t.stride(0), 1])
 
 
-def _check_args(q, k, v, sinks) -> None:
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor) -> None:
     """ValueError naming the first bad argument of `triton_sink_attention`."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in KERNEL_FLOATS:

@@ -32,6 +32,7 @@ import dataclasses
 
 import torch
 
+from headmoe.config import check_positive_int
 from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 #: the module of the kernels (imported at the first call)
@@ -41,17 +42,21 @@ KERNELS = "headmoe.layers.triton_dense_kernels"
 @dataclasses.dataclass(frozen=True)
 class DenseTiles:
     """Fixed tiles of `matmul`: block_m x block_n outputs per program, K in steps of block_k
-    (powers of two >= 16); num_warps/num_stages: CUDA launch options (ignored by the
-    interpreter). Rows compared for bits must come from calls with the same tiles."""
+    (powers of two >= 16); group_m: row blocks per column sweep (the order programs take
+    tiles in, for L2 reuse of the weight; it never changes a tile's bits); num_warps /
+    num_stages: CUDA launch options (ignored by the interpreter). Rows compared for bits must
+    come from calls with the same block sizes."""
 
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
+    group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
 
     def __post_init__(self) -> None:
         check_tile_sizes(self, ("block_m", "block_n", "block_k"))
+        check_positive_int("DenseTiles.group_m", self.group_m)
 
 
 #: the tiles of each dtype (fixed: a row never sees another configuration). fp32 runs IEEE
@@ -99,7 +104,7 @@ def matmul(
             a3, b3, bias32, c3, m, n, k, *a3.stride(), *b3.stride(), *c3.stride(),
             HAS_BIAS=bias is not None, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )  # fmt: skip
     return c3 if a.dim() == 3 else c3[0]
 

@@ -9,23 +9,39 @@ import triton.language as tl
 
 
 @triton.jit
+def grouped_tile(pid, m_blocks, n_blocks, GROUP_M: tl.constexpr):
+    """(row block, column block) of program `pid` of an `m_blocks` x `n_blocks` tile grid
+    swept in groups of GROUP_M row blocks: the programs of a group walk down its row blocks
+    within one column block, then move to the next column block, so programs running at the
+    same time share their b (weight) tiles in L2 instead of each streaming all of b. The last
+    group holds the remaining row blocks. A bijection of [0, m_blocks * n_blocks); which
+    program computes a tile never changes the tile's arithmetic."""
+    per_group = GROUP_M * n_blocks
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(m_blocks - first, GROUP_M)
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+@triton.jit
 def matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
     stride_ag, stride_am, stride_ak, stride_bg, stride_bk, stride_bn,
     stride_cg, stride_cm, stride_cn,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One program: rows `[m0, m0 + BLOCK_M)` x columns `[n0, n0 + BLOCK_N)` of group
-    `program_id(1)` of `c = a @ b (+ bias)`. The whole K is walked by this program, from 0
+    `program_id(1)` of `c = a @ b (+ bias)`, the tile `grouped_tile` gives it. The whole K is walked by this program, from 0
     upwards in steps of BLOCK_K (no split-K), accumulating in fp32; rows past M and
     columns past K load zeros. The bias (fp32) is added once, after the last step; the
     result is rounded to c's dtype."""
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid = tl.program_id(0)
+    tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                  GROUP_M)
     group = tl.program_id(1).to(tl.int64)
-    rows = (pid // n_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask, cmask = rows < M, cols < N
     kk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + group * stride_ag + rows.to(tl.int64)[:, None] * stride_am

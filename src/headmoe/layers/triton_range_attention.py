@@ -53,7 +53,8 @@ DEFAULT_RANGE_TILES = RangeTiles()
 supported = triton_attention.supported
 
 
-def _check_args(q, k, v, plan: RangePlan, tiles: RangeTiles) -> None:
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RangePlan,
+                tiles: RangeTiles) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype not in KERNEL_FLOATS:
             got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t)

@@ -13,8 +13,14 @@ from __future__ import annotations
 import functools
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+from headmoe.config import is_int
+
+if TYPE_CHECKING:  # triton is the GPU extra; the interpreter's handles type `row_local_dot`
+    from triton.runtime.interpreter import TensorHandle
 
 #: the float dtypes headmoe's Triton kernels take (fp32 with IEEE products, fp16, bf16)
 KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -42,7 +48,7 @@ def check_tile_sizes(tiles: object, names: tuple[str, ...]) -> None:
     a power of two >= 16 (the block sizes every kernel here takes)."""
     for name in names:
         v = getattr(tiles, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 16 or v & (v - 1):
+        if not is_int(v) or v < 16 or v & (v - 1):
             raise ValueError(f"{type(tiles).__name__}.{name} must be a power of two >= 16, "
                              f"got {v!r}")  # fmt: skip
 
@@ -54,7 +60,7 @@ def kernels(module: str) -> ModuleType:
 
 
 def descriptor(t: torch.Tensor, block: list[int], shape: list[int] | None = None,
-               strides: list[int] | None = None):  # fmt: skip
+               strides: list[int] | None = None) -> object:  # fmt: skip
     """A TMA tensor descriptor over t's storage with blocks `block`: of the contiguous 2-d
     tensor t (a copy when t is not contiguous) by default, or of the 2-d view `shape` /
     `strides` (elements, last stride 1) of t's storage when given."""
@@ -95,7 +101,8 @@ def check_tensors(kernel: object, **tensors: torch.Tensor) -> torch.device:
     return device
 
 
-def row_local_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+def row_local_dot(self: object, a: TensorHandle, b: TensorHandle, d: TensorHandle,
+                  input_precision: object, max_num_imprecise_acc: object) -> TensorHandle:
     """A replacement for the interpreter's `InterpreterBuilder.create_dot` whose bits do not
     depend on a row's place in its block: acc += a[:, j] * b[j] for j = 0, 1, ... in the
     accumulator's dtype (elementwise numpy ops).

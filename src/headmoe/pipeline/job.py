@@ -17,7 +17,7 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
    ``v = v_u + s (v_c - v_u)`` (``s`` = `guidance_scale` for video, `audio_guidance_scale`
    for audio), and steps its own video and audio samplers: identical inputs, identical
    elementwise arithmetic, so every rank holds the same latents.
-3. The writer of each DP group (its rank with SP, CFG and TP coordinates 0) decodes, hashes
+3. The writer of each DP group (its rank with SP and CFG coordinates 0) decodes, hashes
    and writes ``<output>`` (DP 1) or ``<stem>.dp<k><suffix>`` plus the JSON sidecar, after
    gathering every rank's step times and counters. Nothing is written if any step fails.
 """

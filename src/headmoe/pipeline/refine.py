@@ -29,6 +29,8 @@ from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
 from headmoe.models.refiner.config import RELEASED_EVALUATION
 from headmoe.pipeline.health import REFINER_HINT, check_media
+from headmoe.pipeline.recipe import RESOLUTIONS
+from headmoe.pipeline.request import MAX_INFERENCE_STEPS, MAX_SIDE
 from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
 from headmoe.release.video_latents import SPATIAL_STRIDE
 
@@ -42,9 +44,12 @@ REFINER_NOISE_INDEX: int = RELEASED_EVALUATION["magi2_refiner_noise_value"]
 #: twice the preview's fps); a refiner latent cell is `SPATIAL_STRIDE` pixels, as the
 #: preview's (the decoders' rule, `headmoe.release.video_latents`)
 REFINER_FPS_FACTOR = 2
-#: limits of a request's refiner size (pixels) and steps
-MAX_REFINER_SIDE = 4096
-MAX_REFINER_STEPS = 1000
+#: limits of a request's refiner size (pixels) and steps: the request's own side and step
+#: limits (`headmoe.pipeline.request`)
+MAX_REFINER_SIDE = MAX_SIDE
+MAX_REFINER_STEPS = MAX_INFERENCE_STEPS
+#: the refined clip's size at the 1080p preset (height, width): the preset's own size
+REFINER_SIZE = RESOLUTIONS["1080p"]
 
 
 def zero_snr_table(steps: int = 1000) -> torch.Tensor:
@@ -126,8 +131,8 @@ class RefinerStage:
     """The refiner stage of a request: the refined clip's size in pixels (multiples of 16;
     1088 x 1920 at 1080p) and its sampler steps. Refusals name the request field."""
 
-    height: int = 1088
-    width: int = 1920
+    height: int = REFINER_SIZE[0]
+    width: int = REFINER_SIZE[1]
     steps: int = REFINER_STEPS
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ folder's `TINY_SPEC`) or "magi2-preview" (released decoder configs; for the text
 ``text_encoder/config.json`` replaces).
 
 Placement (`component_bytes_per_rank`): the text encoder on every node's first rank, the
-decoders on every output rank (a DP group's rank with SP, CFG and TP coordinates 0), the
+decoders on every output rank (a DP group's rank with SP and CFG coordinates 0), the
 image-to-video encoder (the Wan2.2 VAE's encoder half, fp32) on rank 0; with ``offload``
 none of them stays on the device between uses.
 """

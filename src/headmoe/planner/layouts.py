@@ -61,7 +61,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def enumerate_layouts(model: Magi2Config, world_size: int) -> list[ParallelConfig]:
-    """Every layout of `world_size` ranks the MAGI-2 transformer accepts (TP 1; SP a divisor
+    """Every layout of `world_size` ranks the MAGI-2 transformer accepts (SP a divisor
     of the attention heads; CFG 1 or 2; DP the rest; EP every divisor of SP), with each
     exchange mode when it matters (EP < SP), ordered by SP descending, then CFG, EP
     descending, mode. EP = SP is written with EP off (the same thing for MAGI-2)."""

@@ -33,6 +33,7 @@ from headmoe.config import GIB, ParallelConfig
 from headmoe.distributed.sharding import head_shard
 from headmoe.distributed.topology import Topology
 from headmoe.models.magi2.config import Magi2Config
+from headmoe.models.magi2.loading import LOAD_BATCH_BYTES
 from headmoe.models.streaming import DEFAULT_SLOTS, check_slots, split_layers
 from headmoe.planner.predict import (
     expert_bytes_per_head,
@@ -43,7 +44,6 @@ from headmoe.planner.predict import (
 )
 from headmoe.planner.request import RequestShape
 
-LOAD_BATCH_BYTES = 1 << 30
 #: live copies of the state / MLP activations / attention tensors in one layer (bounds)
 STATE_COPIES, MLP_COPIES, ATTENTION_COPIES = 6, 3, 6
 
@@ -214,9 +214,15 @@ def estimate_memory(
             qkv = full * heads * 3 * model.head_dim * nbytes
             moe = local * model.moe_hidden_size * nbytes * sp
             work = max(work, 2 * (qkv + moe))
-    f, h, w = frames
-    decode = f * h * w * 3 * (4 + 4 + 1) + audio_samples * 4 * 3
+    decode = decoded_video_bytes(*frames) + audio_samples * 4 * 3
     return MemoryEstimate(weights + load, acts, work, decode)
+
+
+def decoded_video_bytes(frames: int, height: int, width: int) -> int:
+    """Bytes of decoding a clip of ``frames`` x ``height`` x ``width`` RGB pixels on its
+    writer: the fp32 pixels, their permuted fp32 copy and the uint8 frames (9 bytes per
+    pixel channel). The preview's and the refiner's decode estimates both use it."""
+    return frames * height * width * 3 * (4 + 4 + 1)
 
 
 def host_available_bytes() -> int | None:

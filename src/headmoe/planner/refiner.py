@@ -21,7 +21,7 @@ import torch
 from headmoe.config import ParallelConfig
 from headmoe.distributed.sharding import sp_token_counts
 from headmoe.models.refiner import MLP_CHUNK_ROWS, Magi2RefinerConfig, refiner_weight_bytes
-from headmoe.planner.memory import MemoryEstimate
+from headmoe.planner.memory import MemoryEstimate, decoded_video_bytes
 from headmoe.release.video_latents import frame_count
 
 #: live fp32 copies of the residual-width tensors in one layer (residual, norm output,
@@ -162,7 +162,7 @@ def stage_estimate(config: Magi2RefinerConfig, stage: Any, thw: tuple[int, int, 
     on the host."""
     ref = refiner_memory(config, thw, text_tokens, parallel, dtype)
     idle = 0 if offload else 1
-    frames = frame_count(thw[0]) * stage.height * stage.width * 3 * (4 + 4 + 1)
+    frames = decoded_video_bytes(frame_count(thw[0]), stage.height, stage.width)
     return max(
         MemoryEstimate(preview.weights + idle * ref.weights, preview.activations,
                        preview.workspace, preview.decode),

@@ -12,7 +12,7 @@
   image once and broadcasts the latent ``[h, w, 48]`` to every rank of the world (the same
   header-then-tensor protocol, `broadcast_result`).
 - **Decoders** (`output_video_decoder`, `output_audio_decoder`): loaded on the output ranks
-  only (each DP group's writer: SP, CFG and TP coordinates 0) and run there after the loop;
+  only (each DP group's writer: SP and CFG coordinates 0) and run there after the loop;
   the other ranks hold only the geometry (latent shapes and lengths).
 - **Offload** (`Placed`): with ``offload`` the weights stay on the host and move to the
   rank's device only for a call; without it they are loaded on the device and stay there.

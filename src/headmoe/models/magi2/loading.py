@@ -45,6 +45,9 @@ from headmoe.moe import MultiHeadMoE, read_moe_rows
 from headmoe.moe.checkpoint import MOE_ROW_TENSORS
 
 INDEX_SUFFIX = ".safetensors.index.json"
+#: the most checkpoint bytes a loader reads into host memory at once before copying them to
+#: the model (both families' `load_*`; the planner counts it as load memory)
+LOAD_BATCH_BYTES = 1 << 30
 MOE_MARKER = ".mlp.moe_mlp."
 PREFIX = "transformer."
 #: name prefix of transformer layer ``i``'s tensors: ``block.layers.<i>.``
@@ -224,7 +227,7 @@ def check_headers(
 
 # ---------------------------------------------------------------------- loading
 def load_checkpoint(
-    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30,
+    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = LOAD_BATCH_BYTES,
     skip: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`.

@@ -19,6 +19,7 @@ import torch
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.magi2.loading import (
+    LOAD_BATCH_BYTES,
     LoadReport,
     check_headers,
     load_in_batches,
@@ -73,7 +74,7 @@ def check_refiner_checkpoint(
 
 
 def load_refiner(
-    model: Magi2Refiner, path: str | os.PathLike, *, max_batch_bytes: int = 1 << 30,
+    model: Magi2Refiner, path: str | os.PathLike, *, max_batch_bytes: int = LOAD_BATCH_BYTES,
     skip: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`:
