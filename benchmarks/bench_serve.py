@@ -28,6 +28,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python benchmarks/x.py`
+from benchmarks.common import load_average, min_median  # noqa: E402
+
 HEADMOE = str(Path(sys.executable).with_name("headmoe"))
 
 
@@ -98,6 +101,8 @@ def main() -> int:
                       f"{statistics.median(g / s for g, s in zip(gen, srv)):.1f}x; same hashes "
                       f"({ref[0][:16]}, {ref[1][:16]}); {len(sides)} served requests, model "
                       f"loaded {len(loads)} time(s)")
+                print(f"min / median: generate {min_median(gen)} s, server {min_median(srv)} s; "
+                      f"{load_average()}")
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)

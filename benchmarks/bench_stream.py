@@ -215,11 +215,15 @@ def report(runs: list[dict], pred: dict, size: int, args: argparse.Namespace) ->
     bound = pred["non_layer"] + pred["in_flight"] + acts
     print(f"\nmodel {size / 1e9:.2f} GB on disk, {args.slots} slots, {args.reps} timed steps "
           f"x {args.rounds} rounds per mode, 1 thread; outputs identical in every run\n")
-    print("| mode | peak RSS above baseline, MiB | step time, s (median) | load, s |")
+    from benchmarks.common import load_average, min_median
+
+    print(load_average())
+    print("| mode | peak RSS above baseline, MiB | step time, s (min / median) | load, s |")
     print("|---|---|---|---|")
     for m in ("resident", "streamed"):
         load = statistics.median(r["load_s"] for r in by[m])
-        print(f"| {m} | {peak[m] / MIB:,.0f} | {step[m]:.3f} | {load:.2f} |")
+        steps = min_median([t for r in by[m] for t in r["step_s"]])
+        print(f"| {m} | {peak[m] / MIB:,.0f} | {steps} | {load:.2f} |")
     print(f"\nstreamed bound: non-layer weights {pred['non_layer'] / MIB:,.1f} + {args.slots} "
           f"layers in flight {pred['in_flight'] / MIB:,.1f} (planner, exact) + activations "
           f"{acts / MIB:,.1f} (measured: resident forward peak above its loaded RSS; the "

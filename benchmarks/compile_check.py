@@ -34,7 +34,8 @@ from headmoe.layers.triton_attention import DEFAULT_ATTENTION_TILES as AT
 from headmoe.layers.triton_dense import DENSE_TILES, NORM_BLOCK, NORM_ROWS
 from headmoe.layers.triton_range_attention import DEFAULT_RANGE_TILES as RT
 from headmoe.layers.triton_runtime import descriptor, kernels
-from headmoe.moe import triton_moe
+from headmoe.moe import triton_fp8, triton_moe
+from headmoe.moe.fp8 import FP8_DTYPE
 from headmoe.moe.triton_moe import DEFAULT_TILES as MT
 from headmoe.moe.triton_moe import ROUTE_BLOCK_K, ROUTE_BLOCK_M
 
@@ -47,7 +48,8 @@ SMEM_LIMIT = 232_448
 #: kernel module of each spec's prefix
 MODULES = {"moe": triton_moe.KERNELS, "attention": triton_attention.KERNELS,
            "dense": triton_dense.KERNELS,
-           "range": "headmoe.layers.triton_range_attention_kernels"}  # fmt: skip
+           "range": "headmoe.layers.triton_range_attention_kernels",
+           "fp8": triton_fp8.FP8_KERNELS}  # fmt: skip
 
 
 def _t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -79,6 +81,10 @@ def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any]
             tile_group_ptr=_t(8, dtype=i32), groups=768),
             dict(F=F, PRECISION="tf32", N_BLOCKS=-(-D // MT.down_n), BLOCK_M=MT.block_m,
                  BLOCK_N=MT.down_n, BLOCK_K=MT.down_k), warps),
+        "gate_up_fp8": _gate_up_fp8(True, warps),
+        "gate_up_fp8_bits": _gate_up_fp8(False, warps),
+        "down_fp8": _down_fp8(True, warps),
+        "down_fp8_bits": _down_fp8(False, warps),
         "combine": ("moe.combine_kernel", lambda: dict(
             y_ptr=_t(8, dtype=f32), pos_ptr=_t(8, dtype=i64), w_ptr=_t(8, dtype=f32),
             out_ptr=_t(8), n_rows=1000),
@@ -123,6 +129,37 @@ def _gate_up(row_gather: bool, warps: dict) -> tuple:
         dict(D=D, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION="tf32",
              ROW_GATHER=row_gather, N_BLOCKS=-(-F // MT.gate_n), BLOCK_M=MT.block_m,
              BLOCK_N=MT.gate_n, BLOCK_K=MT.gate_k), warps)  # fmt: skip
+
+
+def _gate_up_fp8(native: bool, warps: dict) -> tuple:
+    """The W8A16 gate/up kernel's spec: bf16 z, FP8 weights (float8_e4m3fn widened by the
+    hardware if native, else uint8 bytes widened by bit operations), fp32 scales,
+    production tiles."""
+    i32, i64, f32 = torch.int32, torch.int64, torch.float32
+    f8 = FP8_DTYPE if native else torch.uint8
+    return ("fp8.gate_up_fp8_kernel", lambda: dict(
+        z_ptr=_t(8), src_ptr=_t(8, dtype=i64), tile_group_ptr=_t(8, dtype=i32),
+        tile_rows_ptr=_t(8, dtype=i32), wg_desc=_desc(2 * D, F, [MT.gate_k, MT.gate_n], f8),
+        wu_desc=_desc(2 * D, F, [MT.gate_k, MT.gate_n], f8), sg_ptr=_t(8, dtype=f32),
+        su_ptr=_t(8, dtype=f32), h_desc=_desc(2 * MT.block_m, F, [MT.block_m, MT.gate_n]),
+        groups=768, experts=E, stride_zt=3 * D, stride_zh=D),
+        dict(D=D, F=F, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION="tf32",
+             NATIVE=native, N_BLOCKS=-(-F // MT.gate_n), BLOCK_M=MT.block_m, BLOCK_N=MT.gate_n,
+             BLOCK_K=MT.gate_k), warps)  # fmt: skip
+
+
+def _down_fp8(native: bool, warps: dict) -> tuple:
+    """The W8A16 down kernel's spec: bf16 hidden rows, FP8 W_down (as `_gate_up_fp8`),
+    fp32 scales."""
+    i32, f32 = torch.int32, torch.float32
+    f8 = FP8_DTYPE if native else torch.uint8
+    return ("fp8.down_fp8_kernel", lambda: dict(
+        h_desc=_desc(2 * MT.block_m, F, [MT.block_m, MT.down_k]),
+        wd_desc=_desc(2 * F, D, [MT.down_k, MT.down_n], f8), sd_ptr=_t(8, dtype=f32),
+        y_desc=_desc(2 * MT.block_m, D, [MT.block_m, MT.down_n], f32),
+        tile_group_ptr=_t(8, dtype=i32), groups=768),
+        dict(F=F, D=D, PRECISION="tf32", NATIVE=native, N_BLOCKS=-(-D // MT.down_n), BLOCK_M=MT.block_m,
+             BLOCK_N=MT.down_n, BLOCK_K=MT.down_k), warps)  # fmt: skip
 
 
 def _matmul(dtype: torch.dtype) -> tuple:

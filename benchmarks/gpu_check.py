@@ -1,7 +1,7 @@
 """One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
 seconds (default 360) that cannot stop half-way without a report.
 
-First the environment (device name, versions, clocks), then nine sections, each in its own
+First the environment (device name, versions, clocks), then ten sections, each in its own
 try/except, the markdown file `--out` rewritten (atomically) after every section, so a
 failure or the budget running out loses only the rest of that section:
 
@@ -34,6 +34,10 @@ failure or the budget running out loses only the rest of that section:
 (h) fused mHC (`headmoe.layers.triton_mhc`: coefficients with the whole Sinkhorn loop,
     `mhc_input`, `mhc_update`) at the SP8 per-rank layer shape (3,709 tokens x 4 streams x
     3072) against the eager torch definition: error, rows alone vs in the batch, time.
+(i) FP8 routed experts, W8A16 (`headmoe.moe.triton_fp8`, docs/fp8.md) at the section (c)
+    shapes: against the torch FP8 path (`experts_fp8`), the hardware's E4M3
+    widening vs the bit-operation one (same bits), sub-batch rows, and TFLOP/s and weight
+    bytes/s beside the bf16 kernels on the same routes.
 
 Exit status 0 when every check passed, 1 when a check or a section failed or the budget
 ran out, 2 without a CUDA device. Targets (ratios in the table, never asserted by timed
@@ -98,6 +102,7 @@ SECTIONS = {
     bench_stream.SECTION: "layer streaming: H2D GB/s, step time resident vs streamed, copy hidden",
     "g": "refiner block-grid attention at 1080p vs dense SDPA of the same pairs",
     "h": "fused mHC (coefficients + Sinkhorn, input, update) vs the eager torch definition",
+    "i": "FP8 routed experts (W8A16): error, widenings, rows, speed and bytes/s vs bf16",
 }
 
 
@@ -753,6 +758,72 @@ def section_layer(ctx: Ctx) -> None:
                        f"{totals[True] / totals[False]:.2f}x")  # fmt: skip
 
 
+# ---------------------------------------------------------------------------- (i) FP8
+def fp8_weights(wts: list[torch.Tensor]) -> list[Any]:
+    """The experts' weights quantized by headmoe's FP8 rule (`headmoe.moe.fp8.quantize`)."""
+    from headmoe.moe.fp8 import quantize
+
+    return [quantize(n, t) for n, t in zip(("W_gate", "W_up", "W_down"), wts)]
+
+
+def check_fp8(ctx: Ctx) -> None:
+    """W8A16 against the torch FP8 path (`experts_fp8`, fp32 GEMMs on the dequantized
+    blocks), both widenings' bits, and a permuted half batch's rows against the full
+    batch's."""
+    from headmoe.moe.fp8_experts import experts_fp8
+    from headmoe.moe.triton_fp8 import experts_triton_fp8
+
+    n = ctx.sh.check_tokens
+    inp = moe_inputs(ctx, n, seed=17)
+    z, q = inp["z"], fp8_weights(inp["weights"])
+    ids, w = routes(ctx, inp)
+    shape = f"{n:,} tok x {ctx.sh.heads} heads"
+    out = experts_triton_fp8(z, ids, w, *q)
+    ref = experts_fp8(z, ids, w, *q).float()
+    rel = float((out.float() - ref).norm() / ref.norm())
+    tol = 1e-5 if ctx.dtype == torch.float32 else 1e-2
+    ctx.report.add("i", "W8A16 vs the torch FP8 path (rel L2)", shape,
+                   f"rel L2 {rel:.2e}", f"<= {tol:g}", rel <= tol)  # fmt: skip
+    for native in (True, False):
+        diff = mismatched_rows(experts_triton_fp8(z, ids, w, *q, native=native), out)
+        ctx.report.add("i", f"widening native={native} vs the device default", shape,
+                       f"{diff} rows differ", "0 rows differ", diff == 0)  # fmt: skip
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(18))[: n // 2]
+    idx = idx.to(z.device)
+    diff = mismatched_rows(experts_triton_fp8(z[idx], ids[idx], w[idx], *q), out[idx])
+    ctx.report.add("i", "rows of a permuted half batch vs the full batch", shape,
+                   f"{diff} rows differ", "0 rows differ", diff == 0)  # fmt: skip
+
+
+def bench_fp8_tokens(ctx: Ctx, n: int) -> None:
+    """bf16 and W8A16 experts on the same routes: TFLOP/s and weight bytes streamed / s."""
+    from headmoe.moe.triton_fp8 import experts_triton_fp8
+
+    sh = ctx.sh
+    inp = moe_inputs(ctx, n, seed=n + 1)
+    z, wts = inp["z"], inp["weights"]
+    q = fp8_weights(wts)
+    ids, w = routes(ctx, inp)
+    flop = 6.0 * sh.d * sh.f * n * sh.heads * sh.top_k
+    shape = f"{n:,} tok x {sh.heads} heads, {sh.experts} experts, top-{sh.top_k}"
+    sizes = {"bf16": sum(t.numel() * t.element_size() for t in wts),
+             "fp8": sum(x.data.numel() + x.scale.numel() * 4 for x in q)}  # fmt: skip
+    times = {"bf16": ctx.time(lambda: experts_triton(z, ids, w, *wts)),
+             "fp8": ctx.time(lambda: experts_triton_fp8(z, ids, w, *q))}  # fmt: skip
+    for kind, ms in times.items():
+        rate = "" if ms is None else f"; weights {sizes[kind] / ms / 1e6:,.0f} GB/s"
+        ctx.report.add("i", f"experts, {kind} weights ({sizes[kind] / 2**20:,.0f} MiB)", shape,
+                       tflops(flop, ms) + rate)  # fmt: skip
+    if None not in times.values():
+        ctx.report.add("i", "W8A16 time / bf16 time", shape, f"{times['fp8'] / times['bf16']:.2f}")
+
+
+def section_fp8(ctx: Ctx) -> None:
+    check_fp8(ctx)
+    for n in ctx.sh.moe_tokens:
+        bench_fp8_tokens(ctx, n)
+
+
 # ---------------------------------------------------------------------------- main
 # ---------------------------------------------------------------------------- (g) refiner
 #: the refiner's block-grid attention: (latent T, H, W, text tokens, query heads, KV heads,
@@ -853,7 +924,7 @@ def section_mhc(ctx: Ctx) -> None:
 SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
     "0": section_compile, "a": section_checks, "b": section_probe, "c": section_moe,
     "d": section_attention, "e": section_layer, bench_stream.SECTION: bench_stream.gpu_section,
-    "g": section_refiner, "h": section_mhc,
+    "g": section_refiner, "h": section_mhc, "i": section_fp8,
 }  # fmt: skip
 
 

@@ -184,10 +184,10 @@ def test_decoded_bytes_are_one_rule():
 
     from headmoe.config import ParallelConfig
     from headmoe.models.refiner.config import get_refiner_config
+    from headmoe.pipeline.latents import frame_count
     from headmoe.pipeline.refine import RefinerStage
     from headmoe.planner.memory import MemoryEstimate, decoded_video_bytes
     from headmoe.planner.refiner import stage_estimate
-    from headmoe.release.video_latents import frame_count
 
     cfg = get_refiner_config("tiny-refiner")
     stage = RefinerStage(64, 96, 1)

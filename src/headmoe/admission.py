@@ -19,7 +19,7 @@ What it owns, in the order it checks:
 2. contradictions between fields (``resolution`` / ``size`` / ``height`` + ``width``;
    ``seconds`` / ``num_frames``): refused naming both;
 3. the defaults of the model's recipe (`headmoe.pipeline.recipe.recipe_for`);
-4. frame geometry from the decoders' rule (`headmoe.release.video_latents.latent_shape`:
+4. frame geometry from the decoders' rule (`headmoe.pipeline.latents.latent_shape`:
    ``num_frames = 4k+1``, sides multiples of 16) and at least one audio sample;
 5. the seed range of the job (data-parallel group k uses seed + k, all below 2**63);
 6. the text tokens of both prompts, counted by the deployment's tokenizer (the release's,
@@ -39,6 +39,7 @@ from typing import Any
 from headmoe.config import GIB, is_number
 from headmoe.deployment import stream_of
 from headmoe.errors import Refusal
+from headmoe.pipeline import latents
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.recipe import (
     REFINER_RESOLUTIONS,
@@ -57,7 +58,7 @@ from headmoe.pipeline.request import (
 from headmoe.pipeline.seeding import SEED_LIMIT
 from headmoe.planner.memory import MemoryEstimate, estimate_memory
 from headmoe.planner.request import RequestShape
-from headmoe.release import audio_vae, video_latents
+from headmoe.release import audio_vae
 
 #: the refiner stage's fields (``resolution="1080p"`` sets its size)
 REFINER_FIELDS: tuple[str, ...] = ("refiner_height", "refiner_width", "refiner_steps")
@@ -121,7 +122,7 @@ def _size(value: Any) -> tuple[int, int]:
     height, width = int(m.group(2)), int(m.group(1))
     for side in (("width", width), ("height", height)):
         try:
-            video_latents.check_side(*side)
+            latents.check_side(*side)
         except ValueError as e:
             raise Refusal("size", value, f"size={show(value)}: {e}") from None
     return height, width
@@ -185,9 +186,9 @@ def check_given(given: Mapping[str, Any]) -> dict[str, Any]:
 
 #: the decoders' rule of each size field (the defaults of every recipe pass them)
 GEOMETRY: dict[str, Callable[..., Any]] = {
-    "height": lambda v: video_latents.check_side("height", v),
-    "width": lambda v: video_latents.check_side("width", v),
-    "num_frames": video_latents.check_frames,
+    "height": lambda v: latents.check_side("height", v),
+    "width": lambda v: latents.check_side("width", v),
+    "num_frames": latents.check_frames,
 }
 
 
@@ -218,7 +219,7 @@ def _check_sizes(given: Mapping[str, Any], parsed: Mapping[str, Any]) -> None:
 def frames_for_seconds(seconds: float, fps: float) -> int:
     """Output frames of a ``seconds``-long clip at ``fps``: the largest ``4k+1`` not above
     ``seconds * fps`` (at least 1); 10 s at 12.5 fps = 125 frames, the released clip."""
-    stride = video_latents.TEMPORAL_STRIDE
+    stride = latents.TEMPORAL_STRIDE
     return stride * max(0, math.floor((seconds * fps - 1) / stride + 1e-9)) + 1
 
 
@@ -267,10 +268,10 @@ def resolve(given: Mapping[str, Any], recipe: Recipe, device: str,
 
 
 def check_geometry(num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-    """The video latent grid of the decoders (`video_latents.latent_shape`), as a
+    """The video latent grid of the decoders (`latents.latent_shape`), as a
     `Refusal` naming the field that does not fit."""
     try:
-        return video_latents.latent_shape(num_frames, height, width)
+        return latents.latent_shape(num_frames, height, width)
     except ValueError as e:
         name = str(e).split()[0]
         raise Refusal(name, {"num_frames": num_frames, "height": height,

@@ -39,6 +39,7 @@ def test_dry_run_passes_every_check_and_writes_the_report(tmp_path, interpreted)
     assert any("SDPA flash" in r[1] for r in rows) and any("SDPA cuDNN" in r[1] for r in rows)
     assert any(r[0] == "0" and "shared=" in r[3] and "/232,448" in r[3] for r in rows)
     assert sum(r[0] == "f" and "streamed output == resident output" in r[1] for r in checks) == 2
+    assert sum(r[0] == "i" for r in checks) == 4  # FP8: error, two widenings, rows
 
 
 def test_a_failing_section_leaves_a_complete_report(tmp_path, interpreted, capsys):  # noqa: F811
@@ -53,9 +54,9 @@ def test_a_failing_section_leaves_a_complete_report(tmp_path, interpreted, capsy
     assert set(status) == set(gpu_check.SECTIONS)
     for s in ("0", "a", "c"):
         assert status[s].startswith("FAILED: RuntimeError: injected failure in section " + s)
-    for s in ("b", "d", "e", "f", "g", "h"):
+    for s in ("b", "d", "e", "f", "g", "h", "i"):
         assert status[s].startswith("ok ("), status
-    assert {r[0] for r in rows} == {"b", "d", "e", "f", "g", "h"}
+    assert {r[0] for r in rows} == {"b", "d", "e", "f", "g", "h", "i"}
     assert "section c: FAILED" in capsys.readouterr().err
 
 

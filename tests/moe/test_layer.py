@@ -7,6 +7,7 @@ from safetensors.torch import save_file
 
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
+from headmoe.distributed.forward_plan import parallel_plan
 from headmoe.distributed.topology import plan_topology
 from headmoe.moe import (
     MoEConfig,
@@ -115,13 +116,13 @@ def test_forward_validates_input_and_counts_rows():
     layer = MultiHeadMoE(CFG, ctx)
     layer.load_state_dict(full_state(CFG))
     x = torch.randn(5, 48)
-    assert torch.equal(layer(x, (5,)), layer(x))
+    assert torch.equal(layer(x, parallel_plan(ctx, (5,))), layer(x, parallel_plan(ctx, (5,))))
     assert ctx.counters.moe_rows == [15, 15]
     assert layer(x[:0]).shape == (0, 48)
     with pytest.raises(ValueError, match=r"token_counts\[0\]=4"):
-        layer(x, (4,))
+        layer(x, parallel_plan(ctx, (4,)))
     with pytest.raises(ValueError, match="token_counts must be a tuple of 1"):
-        layer(x, (5, 0))
+        layer(x, parallel_plan(ctx, (5, 0)))
     with pytest.raises(ValueError, match=r"x must have shape \[T, 48\]"):
         layer(x[:, :40])
     with pytest.raises(ValueError, match="x.dtype"):

@@ -1,5 +1,5 @@
 """4 Gloo ranks: MultiHeadMoE under SP4 with EP 1, 2, 4 and both exchanges equals the
-single-rank layer bit for bit; with host counts the only collectives are two all-to-alls."""
+single-rank layer bit for bit; its only collectives are the two all-to-alls."""
 
 from contextlib import contextmanager
 
@@ -13,6 +13,7 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.moe import MoEConfig, MultiHeadMoE, read_moe_rows
 from headmoe.moe.checkpoint import MOE_ROW_TENSORS
+from headmoe.moe.layer import moe_plan
 from headmoe.testing import run_ranks
 from tests.moe.common import full_state
 
@@ -82,7 +83,7 @@ def _ranks_main(rank, world, path):
                 for counts in COUNTS:
                     start, n = sum(counts[:rank]), counts[rank]
                     ctx.counters.reset()
-                    out = layer(x[start : start + n].to(dtype), counts)
+                    out = layer(x[start : start + n].to(dtype), moe_plan(ctx, counts))
                     same = torch.equal(out, refs[name, counts][start : start + n])
                     results[ep, mode, name, counts] = (same, list(ctx.counters.moe_rows))
             ctx.destroy()
@@ -96,17 +97,12 @@ def _ranks_main(rank, world, path):
         counts = COUNTS[1]
         start, n = sum(counts[:rank]), counts[rank]
         mine = x[start : start + n]
-        for case, tokens, arg in [("given", mine, counts), ("none", mine, None),
-                                  ("none_meta", mine, None), ("bad_len", mine, counts[:3]),
+        for case, tokens, arg in [("given", mine, counts), ("bad_len", mine, counts[:3]),
                                   ("bad_mine", mine[:-1], counts)]:
             calls[mode, case] = []
             try:
-                # "none_meta": a tensor made without the input's device (CPU where the input
-                # is CUDA) would land on "meta" and fail the collective
-                with _recording(calls[mode, case]), torch.device(
-                    "meta" if case == "none_meta" else "cpu"
-                ):
-                    out = layer(tokens, arg)
+                with _recording(calls[mode, case]):
+                    out = layer(tokens, moe_plan(ctx, arg))
             except ValueError as err:
                 calls[mode, case].append(f"ValueError: {err}")
                 continue
@@ -132,8 +128,5 @@ def test_moe_ep_layouts_equal_single_rank_bitwise(tmp_path):
     for rank, (_, calls) in enumerate(per_rank):
         for mode in ("ep_group", "sp_group"):
             assert calls[mode, "given"] == ["all_to_all_single", "all_to_all_single", True]
-            for case in ("none", "none_meta"):
-                assert calls[mode, case] == [
-                    "all_gather", "all_to_all_single", "all_to_all_single", True], case
             assert calls[mode, "bad_len"][0].startswith("ValueError: token_counts must be")
             assert calls[mode, "bad_mine"][0].startswith(f"ValueError: token_counts[{rank}]")

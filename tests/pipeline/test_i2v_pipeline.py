@@ -26,7 +26,7 @@ from headmoe.release import folder as release
 from headmoe.release import placement
 from headmoe.release.components import magi2_components
 from tests.pipeline.goldens import golden_file
-from tests.pipeline.test_release import _generate as release_generate
+from tests.release.test_release import _generate as release_generate
 
 PROMPT = "a red fox running through snow at dusk"
 REQUEST = ["--height", "64", "--width", "96", "--num-frames", "5", "--num-inference-steps", "2",

@@ -16,6 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from headmoe.pipeline import image as im
+from headmoe.pipeline import image_worker as iw
 from tests.pipeline.goldens import golden_file
 
 #: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
@@ -129,9 +130,9 @@ def test_elongated_image_refused():
 
 def test_read_image_names_the_path(tmp_path):
     with pytest.raises(im.ImageError, match="--image .*missing.png.*cannot be read"):
-        im.read_image(str(tmp_path / "missing.png"), 64, 96)
+        iw.read_image(str(tmp_path / "missing.png"), 64, 96)
     with pytest.raises(im.ImageError, match="not a regular file"):
-        im.read_image(str(tmp_path), 64, 96)
+        iw.read_image(str(tmp_path), 64, 96)
 
 
 def _animated(fmt: str) -> bytes:

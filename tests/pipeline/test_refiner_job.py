@@ -22,9 +22,10 @@ from headmoe.errors import Refusal
 from headmoe.models.magi2 import get_config
 from headmoe.models.refiner import get_refiner_config
 from headmoe.pipeline.deployment import Budget, Deployment
+from headmoe.pipeline.interfaces import Refiner
 from headmoe.pipeline.job import run_job, run_jobs
 from headmoe.pipeline.media import read_mp4
-from headmoe.pipeline.refine import Refiner, RefinerStage
+from headmoe.pipeline.refine import RefinerStage
 from headmoe.release import folder as release
 from headmoe.testing import run_ranks
 

@@ -26,7 +26,8 @@ from headmoe.deployment import build_deployment
 from headmoe.distributed.context import set_rank_threads
 from headmoe.distributed.launch import launch_local, torchrun_env
 from headmoe.errors import Refusal, UserError
-from headmoe.pipeline.image import ImageError, ReferenceImage, read_image
+from headmoe.pipeline.image import ImageError, ReferenceImage
+from headmoe.pipeline.image_worker import read_image
 from headmoe.pipeline.interfaces import ReleaseFolder
 from headmoe.pipeline.job import GenerateJob
 from headmoe.pipeline.request import GenerateRequest
@@ -103,7 +104,7 @@ def build_job(args: argparse.Namespace) -> tuple[GenerateJob, int]:
 
 def _image(args: argparse.Namespace, request: GenerateRequest,
            release: ReleaseFolder | None) -> ReferenceImage | None:
-    """The checked, preprocessed ``--image`` (`headmoe.pipeline.image.read_image`), or
+    """The checked, preprocessed ``--image`` (`headmoe.pipeline.image_worker.read_image`), or
     None; refused with a model that has no image encoder."""
     if getattr(args, "image", None) is None:
         return None

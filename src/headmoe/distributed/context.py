@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,8 +89,8 @@ class ParallelContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     counters: Counters = field(default_factory=Counters)
     """This rank's MoE-row and exchange-byte counters (see `headmoe.distributed.counters`)."""
-    _groups: dict[str, Any] = field(default_factory=dict)
-    _owned: list[Any] = field(default_factory=list)
+    _groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
+    _owned: list[dist.ProcessGroup] = field(default_factory=list)
     _owns_default_group: bool = False
 
     # ------------------------------------------------------------------ construction
@@ -159,7 +158,7 @@ class ParallelContext:
     def _create_groups(self, backend: str | None, timeout: timedelta) -> None:
         # Every rank creates every group in the same order (torch.distributed requires it);
         # axes with identical membership share one group object.
-        by_members: dict[tuple[int, ...], Any] = {}
+        by_members: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         for axis in AXES:
             mine = None
             for members in self.topology.groups(axis):
@@ -188,7 +187,7 @@ class ParallelContext:
     def coords(self) -> Coords:
         return self.topology.coords(self.rank)
 
-    def group(self, axis: str) -> Any:
+    def group(self, axis: str) -> dist.ProcessGroup | None:
         """This rank's process group of `axis` ("sp", "cfg", "dp", "ep"); None when the
         group has one rank."""
         if axis not in AXES:

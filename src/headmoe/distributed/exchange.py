@@ -20,144 +20,26 @@ Buffer ownership with an `ExchangeWorkspace`: see that class.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
-from headmoe.config import is_int
 from headmoe.distributed.schedule import Exchange
 from headmoe.distributed.sharding import (
     REPLICA_POLICIES,
+    HeadLayout,
+    check_counts,
     replica_token_counts,
 )
-from headmoe.distributed.sharding import check_counts as _check_counts
 
 
 class ExchangeCounters(Protocol):
     """What the exchanges record into (`headmoe.distributed.counters.Counters` fits)."""
 
     def record_exchange(self, kind: str, bytes_sent: int, bytes_received: int) -> None: ...
-
-
-# ---------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class HeadLayout:
-    """One head <-> token exchange over one process group, as pure data.
-
-    `token_counts`: every group rank's token count in group-rank order (uneven and zero
-    allowed). `rank`: this rank's index in the group. `replica_counts`: optionally, per rank,
-    a tuple of R contiguous part sizes of its tokens (R divides the group size; build them
-    with `replica_token_counts`). One part per rank is the same exchange as no parts.
-    Construction validates everything and raises `ValueError` naming the field and value.
-    """
-
-    token_counts: tuple[int, ...]
-    rank: int
-    replica_counts: tuple[tuple[int, ...], ...] | None = None
-
-    def __post_init__(self) -> None:
-        counts = _check_counts("token_counts", self.token_counts)
-        world = len(counts)
-        if not is_int(self.rank) or not 0 <= self.rank < world:
-            raise ValueError(f"rank must be an int in [0, {world}), got {self.rank!r}")
-        parts = self.replica_counts
-        if parts is None:
-            return
-        if not isinstance(parts, tuple) or len(parts) != world:
-            raise ValueError(
-                f"replica_counts must be a tuple of {world} tuples (one per rank), got {parts!r}"
-            )
-        for r, p in enumerate(parts):
-            if not isinstance(p, tuple) or not p:
-                raise ValueError(f"replica_counts[{r}] must be a non-empty tuple, got {p!r}")
-            if len(p) != len(parts[0]):
-                raise ValueError(
-                    f"replica_counts[{r}] has {len(p)} parts but replica_counts[0] has "
-                    f"{len(parts[0])}: {parts!r}"
-                )
-            _check_counts(f"replica_counts[{r}]", p)
-            if sum(p) != counts[r]:
-                raise ValueError(
-                    f"replica_counts[{r}]={p!r} sums to {sum(p)}, not token_counts[{r}]={counts[r]}"
-                )
-        if world % len(parts[0]):
-            raise ValueError(
-                f"replica_counts has {len(parts[0])} parts per rank, which does not divide the "
-                f"group size {world}"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return len(self.token_counts)
-
-    @property
-    def replicas(self) -> int:
-        """R: parts per rank (1 without `replica_counts`)."""
-        return 1 if self.replica_counts is None else len(self.replica_counts[0])
-
-    @property
-    def shards(self) -> int:
-        """Head shards: `world_size // replicas`."""
-        return self.world_size // self.replicas
-
-    @property
-    def part(self) -> int:
-        """The part this rank owns of every rank's tokens: `rank // shards`."""
-        return self.rank // self.shards
-
-    @property
-    def shard(self) -> int:
-        """The head shard this rank owns: `rank % shards`."""
-        return self.rank % self.shards
-
-    @cached_property
-    def parts(self) -> tuple[tuple[int, ...], ...]:
-        """Per rank, its R part sizes (`((n,), ...)` without replicas)."""
-        if self.replica_counts is None:
-            return tuple((n,) for n in self.token_counts)
-        return self.replica_counts
-
-    @property
-    def local_tokens(self) -> int:
-        return self.token_counts[self.rank]
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.token_counts)
-
-    @property
-    def local_parts(self) -> tuple[int, ...]:
-        """This rank's R part sizes."""
-        return self.parts[self.rank]
-
-    @cached_property
-    def owned_counts(self) -> tuple[int, ...]:
-        """Tokens this rank receives from (and returns to) each source rank, in rank order."""
-        return tuple(p[self.part] for p in self.parts)
-
-    @property
-    def owned_tokens(self) -> int:
-        return sum(self.owned_counts)
-
-    @cached_property
-    def send_counts(self) -> tuple[int, ...]:
-        """Tokens this rank sends to each owner rank in `scatter_heads` (rank order)."""
-        return tuple(self.local_parts[dst // self.shards] for dst in range(self.world_size))
-
-    def moved_bytes(self, token_bytes: int, to_heads: bool) -> tuple[int, int]:
-        """(bytes sent to, bytes received from) the *other* ranks by one exchange over this
-        layout moving `token_bytes` per token and destination shard (`a * h * D * element
-        size`); `to_heads`: token shards to head shards (`scatter_heads`, Ulysses in), else
-        back. The one byte accounting of the exchanges (they record it, the planner
-        predicts it)."""
-        out = [n * token_bytes for n in self.send_counts]
-        back = [n * token_bytes for n in self.owned_counts]
-        sent, got = (out, back) if to_heads else (back, out)
-        return sum(sent) - sent[self.rank], sum(got) - got[self.rank]
 
 
 # ---------------------------------------------------------------------------- workspace
@@ -210,7 +92,7 @@ def _empty(ws: ExchangeWorkspace | None, role: str, numel: int, like: Tensor) ->
 
 
 # ---------------------------------------------------------------------------- core
-def _check_group(group: Any, layout: HeadLayout) -> None:
+def _check_group(group: ProcessGroup | None, layout: HeadLayout) -> None:
     if group is None:
         if layout.world_size != 1:
             raise ValueError(
@@ -239,8 +121,8 @@ def _check_tensor(name: str, t: Any, dims: int, rows: int, what: str) -> None:
         raise ValueError(f"{name} must have positive head and dim sizes, got {tuple(t.shape)}")
 
 
-def _record(counters: Any, kind: str, layout: HeadLayout, row: int, t: Tensor,
-            to_heads: bool) -> None:  # fmt: skip
+def _record(counters: ExchangeCounters | None, kind: str, layout: HeadLayout, row: int,
+            t: Tensor, to_heads: bool) -> None:
     if counters is not None:
         counters.record_exchange(kind, *layout.moved_bytes(row * t.element_size(), to_heads))
 
@@ -253,10 +135,10 @@ def gathered_bytes(token_counts: tuple[int, ...], width: int, nbytes: int) -> in
 
 def _to_heads(
     x: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     layout: HeadLayout,
     kind: str,
-    counters: Any,
+    counters: ExchangeCounters | None,
     ws: ExchangeWorkspace | None,
 ) -> Tensor:
     """`[local_tokens, A, H, D] -> [owned_tokens, A, H // shards, D]` (validated input)."""
@@ -281,10 +163,10 @@ def _to_heads(
 
 def _to_tokens(
     y: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     layout: HeadLayout,
     kind: str,
-    counters: Any,
+    counters: ExchangeCounters | None,
     ws: ExchangeWorkspace | None,
 ) -> Tensor:
     """`[owned_tokens, A, h, D] -> [local_tokens, A, shards * h, D]` (validated input)."""
@@ -314,7 +196,7 @@ def _to_tokens(
 # ---------------------------------------------------------------------------- MoE exchange
 def scatter_heads(
     x: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     layout: HeadLayout,
     *,
     workspace: ExchangeWorkspace | None = None,
@@ -348,7 +230,7 @@ def scatter_heads(
 
 def gather_heads(
     y: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     layout: HeadLayout,
     *,
     workspace: ExchangeWorkspace | None = None,
@@ -375,8 +257,8 @@ def gather_heads(
 
 
 # ---------------------------------------------------------------------------- Ulysses
-def _ulysses_layout(group: Any, token_counts: Any) -> HeadLayout:
-    counts = _check_counts("token_counts", token_counts)
+def _ulysses_layout(group: ProcessGroup | None, token_counts: Any) -> HeadLayout:
+    counts = check_counts("token_counts", token_counts)
     if group is None:
         if len(counts) != 1:
             raise ValueError(
@@ -389,7 +271,8 @@ def _ulysses_layout(group: Any, token_counts: Any) -> HeadLayout:
     return layout
 
 
-def _seq_to_heads(x: Tensor, group: Any, token_counts: Any, counters: Any, fused: bool):
+def _seq_to_heads(x: Tensor, group: ProcessGroup | None, token_counts: Any,
+                  counters: ExchangeCounters | None, fused: bool) -> Tensor:
     layout = _ulysses_layout(group, token_counts)
     name, dims = ("qkv", 4) if fused else ("x", 3)
     _check_tensor(name, x, dims, layout.local_tokens, f"token_counts[{layout.rank}]")
@@ -412,7 +295,7 @@ def _seq_to_heads(x: Tensor, group: Any, token_counts: Any, counters: Any, fused
 
 def ulysses_seq_to_heads(
     x: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     token_counts: tuple[int, ...],
     *,
     counters: ExchangeCounters | None = None,
@@ -430,7 +313,7 @@ def ulysses_seq_to_heads(
 
 def ulysses_qkv_to_heads(
     qkv: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     token_counts: tuple[int, ...],
     *,
     counters: ExchangeCounters | None = None,
@@ -446,7 +329,7 @@ def ulysses_qkv_to_heads(
 
 def ulysses_heads_to_seq(
     y: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     token_counts: tuple[int, ...],
     *,
     counters: ExchangeCounters | None = None,
@@ -469,7 +352,7 @@ def ulysses_heads_to_seq(
 
 def gather_rows(
     local: Tensor,
-    group: Any,
+    group: ProcessGroup | None,
     token_counts: tuple[int, ...],
     *,
     counters: ExchangeCounters | None = None,

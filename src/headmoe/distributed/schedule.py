@@ -9,7 +9,9 @@ collectives it recorded are exactly the scheduled ones (`check_executed`); the p
 derives its byte and row predictions from the same schedule (`headmoe.planner.predict`).
 So a collective cannot be added to the model without the schedule knowing it.
 
-Rules (which collective runs when):
+Rules (which collective runs when; MAGI-2's, `headmoe.models.magi2.schedule`; the
+refiner's `headmoe.models.refiner.schedule` has the Ulysses rows, q/k/v fused with its KV
+heads, and the gather, no MoE):
 
 | kind | group | when | per token of the layout |
 |---|---|---|---|
@@ -24,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
-from headmoe.distributed.sharding import DispatchPlan
+from headmoe.distributed.counters import ExchangeRecord
+from headmoe.distributed.sharding import DispatchPlan, HeadLayout
 
 
 class Exchange(StrEnum):
@@ -59,10 +61,8 @@ class Collective:
     fp32: bool = False
 
     @property
-    def layout(self) -> Any:
-        """The layout as a `headmoe.distributed.exchange.HeadLayout` (validated)."""
-        from headmoe.distributed.exchange import HeadLayout  # exchange imports this module
-
+    def layout(self) -> HeadLayout:
+        """The layout as a `HeadLayout` (validated)."""
         return HeadLayout(self.token_counts, self.rank, self.replica_counts)
 
 
@@ -84,7 +84,7 @@ class ForwardSchedule:
                 return c
         return None
 
-    def check_executed(self, records: Sequence[Any]) -> None:
+    def check_executed(self, records: Sequence[ExchangeRecord]) -> None:
         """Raise `RuntimeError` unless `records` (the `ExchangeRecord`s a forward added) are
         exactly the scheduled collectives, kind by kind, in order."""
         done = [str(r.kind) for r in records]

@@ -11,6 +11,7 @@ Notation (one SP group):
 | rule | function | used by |
 |---|---|---|
 | SP token split (balanced, contiguous) | `sp_token_counts`, `sp_rows` | model, planner |
+| attention heads of an SP rank after Ulysses | `sp_heads`, `sp_kv_heads` | models, planner |
 | EP coordinates of SP rank s: (s mod E, s div E) | `ep_coords` | topology |
 | heads and checkpoint rows of an EP rank | `head_shard` -> `HeadShard` | MoE layer, loader, planner |
 | replica parts of each rank's tokens | `replica_token_counts` | dispatch, exchange tests |
@@ -26,7 +27,7 @@ real head.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from headmoe.config import MOE_EXCHANGES, check_positive_int, is_int
@@ -71,6 +72,24 @@ def sp_rows(counts: tuple[int, ...], sp_rank: int) -> tuple[int, int]:
     """`(lo, hi)`: the global rows SP rank `sp_rank` holds under `counts`."""
     lo = sum(counts[:sp_rank])
     return lo, lo + counts[sp_rank]
+
+
+# ---------------------------------------------------------------------- SP heads
+def sp_heads(num_heads: int, sp: int, sp_rank: int = 0) -> tuple[int, int]:
+    """`(first, count)`: after the Ulysses exchange SP rank `sp_rank` of `sp` attends heads
+    `[first, first + count)`, `count = num_heads // sp` (the model configs check that `sp`
+    divides the query heads)."""
+    count = num_heads // sp
+    return sp_rank * count, count
+
+
+def sp_kv_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """KV heads per SP rank in an exchange that carries KV heads (the refiner's): its own
+    `num_kv_heads // sp` when `sp` divides them, else the KV heads are first repeated to
+    `num_heads` (GQA) and each rank gets `num_heads // sp`."""
+    if num_kv_heads % sp:
+        return sp_heads(num_heads, sp)[1]
+    return num_kv_heads // sp
 
 
 # ---------------------------------------------------------------------- EP heads
@@ -180,6 +199,124 @@ def _replica_parts(
     return tuple(tuple(row) for row in parts)
 
 
+# ---------------------------------------------------------------------- exchange layouts
+@dataclass(frozen=True)
+class HeadLayout:
+    """One head <-> token exchange over one process group, as pure data.
+
+    `token_counts`: every group rank's token count in group-rank order (uneven and zero
+    allowed). `rank`: this rank's index in the group. `replica_counts`: optionally, per rank,
+    a tuple of R contiguous part sizes of its tokens (R divides the group size; build them
+    with `replica_token_counts`). One part per rank is the same exchange as no parts.
+    Construction validates everything and raises `ValueError` naming the field and value.
+    """
+
+    token_counts: tuple[int, ...]
+    rank: int
+    replica_counts: tuple[tuple[int, ...], ...] | None = None
+
+    def __post_init__(self) -> None:
+        counts = check_counts("token_counts", self.token_counts)
+        world = len(counts)
+        if not is_int(self.rank) or not 0 <= self.rank < world:
+            raise ValueError(f"rank must be an int in [0, {world}), got {self.rank!r}")
+        parts = self.replica_counts
+        if parts is None:
+            return
+        if not isinstance(parts, tuple) or len(parts) != world:
+            raise ValueError(
+                f"replica_counts must be a tuple of {world} tuples (one per rank), got {parts!r}"
+            )
+        for r, p in enumerate(parts):
+            if not isinstance(p, tuple) or not p:
+                raise ValueError(f"replica_counts[{r}] must be a non-empty tuple, got {p!r}")
+            if len(p) != len(parts[0]):
+                raise ValueError(
+                    f"replica_counts[{r}] has {len(p)} parts but replica_counts[0] has "
+                    f"{len(parts[0])}: {parts!r}"
+                )
+            check_counts(f"replica_counts[{r}]", p)
+            if sum(p) != counts[r]:
+                raise ValueError(
+                    f"replica_counts[{r}]={p!r} sums to {sum(p)}, not token_counts[{r}]={counts[r]}"
+                )
+        if world % len(parts[0]):
+            raise ValueError(
+                f"replica_counts has {len(parts[0])} parts per rank, which does not divide the "
+                f"group size {world}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.token_counts)
+
+    @property
+    def replicas(self) -> int:
+        """R: parts per rank (1 without `replica_counts`)."""
+        return 1 if self.replica_counts is None else len(self.replica_counts[0])
+
+    @property
+    def shards(self) -> int:
+        """Head shards: `world_size // replicas`."""
+        return self.world_size // self.replicas
+
+    @property
+    def part(self) -> int:
+        """The part this rank owns of every rank's tokens: `rank // shards`."""
+        return self.rank // self.shards
+
+    @property
+    def shard(self) -> int:
+        """The head shard this rank owns: `rank % shards`."""
+        return self.rank % self.shards
+
+    @cached_property
+    def parts(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, its R part sizes (`((n,), ...)` without replicas)."""
+        if self.replica_counts is None:
+            return tuple((n,) for n in self.token_counts)
+        return self.replica_counts
+
+    @property
+    def local_tokens(self) -> int:
+        return self.token_counts[self.rank]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.token_counts)
+
+    @property
+    def local_parts(self) -> tuple[int, ...]:
+        """This rank's R part sizes."""
+        return self.parts[self.rank]
+
+    @cached_property
+    def owned_counts(self) -> tuple[int, ...]:
+        """Tokens this rank receives from (and returns to) each source rank, in rank order."""
+        return tuple(p[self.part] for p in self.parts)
+
+    @property
+    def owned_tokens(self) -> int:
+        return sum(self.owned_counts)
+
+    @cached_property
+    def send_counts(self) -> tuple[int, ...]:
+        """Tokens this rank sends to each owner rank in `scatter_heads` (rank order)."""
+        return tuple(self.local_parts[dst // self.shards] for dst in range(self.world_size))
+
+    def moved_bytes(self, token_bytes: int, to_heads: bool) -> tuple[int, int]:
+        """(bytes sent to, bytes received from) the *other* ranks by one exchange over this
+        layout moving `token_bytes` per token and destination shard (`a * h * D * element
+        size`); `to_heads`: token shards to head shards (`scatter_heads`, Ulysses in), else
+        back. The one byte accounting of the exchanges (they record it, the planner
+        predicts it)."""
+        out = [n * token_bytes for n in self.send_counts]
+        back = [n * token_bytes for n in self.owned_counts]
+        sent, got = (out, back) if to_heads else (back, out)
+        return sum(sent) - sent[self.rank], sum(got) - got[self.rank]
+
+
+
 # ---------------------------------------------------------------------- MoE dispatch
 def resolve_exchange(mode: str, sp_size: int, ep_size: int) -> str:
     """The dispatch group of a configured `moe_exchange` mode: "ep_group" or "sp_group".
@@ -206,10 +343,8 @@ class DispatchPlan:
     replica_counts: tuple[tuple[int, ...], ...] | None
 
     @property
-    def layout(self) -> Any:
-        """The exchange's `headmoe.distributed.exchange.HeadLayout` (validated)."""
-        from headmoe.distributed.exchange import HeadLayout  # exchange imports this module
-
+    def layout(self) -> HeadLayout:
+        """The exchange's `HeadLayout` (validated)."""
         return HeadLayout(self.token_counts, self.rank, self.replica_counts)
 
     @property

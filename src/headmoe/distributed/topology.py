@@ -35,6 +35,12 @@ class Coords:
     ep_run: int
 
 
+def is_output_coords(coords: Coords) -> bool:
+    """The writer of its DP group: the rank at SP and CFG coordinates 0 (the one home of
+    this rule: the job, the release's placement of the decoders and the planner ask it)."""
+    return (coords.sp, coords.cfg) == (0, 0)
+
+
 @dataclass(frozen=True)
 class Topology:
     """Validated rank layout of one job. Build with `plan_topology`."""

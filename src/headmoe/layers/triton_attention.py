@@ -43,15 +43,18 @@ class AttentionTiles:
     the interpreter). Rows compared for bits must come from calls with the same tiles."""
 
     block_m: int = 128
-    block_n: int = 64
+    block_n: int = 128
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 2
 
     def __post_init__(self) -> None:
         check_tile_sizes(self, ("block_m", "block_n"))
 
 
-#: the production tiles (bf16, D=128, Hopper)
+#: the production tiles (bf16, D=128, Hopper): 128 keys per step (half the steps of 64, so
+#: half the per-step max / rescale work) and 2 stages; `benchmarks/compile_check.py` for
+#: sm_90a: 186 registers, no spills, 163,904 of 232,448 shared bytes (3 stages: 229,464).
+#: Timed against other tiles on a device by `benchmarks/gpu_check.py` section d.
 DEFAULT_ATTENTION_TILES = AttentionTiles()
 
 

@@ -1,5 +1,5 @@
 """Block-sparse range attention on the GPU: a Triton flash-attention kernel over the
-query tiles and key ranges of a `headmoe.layers.range_attention.RangePlan`, GQA by index.
+query tiles and key ranges of a `headmoe.layers.range_plan.RangePlan`, GQA by index.
 
 Maths (same as `range_attention_reference`): for query head j and KV head
 `j // (Hq / Hkv)`, each query row of tile r gets `softmax(q.k * scale) v` over the keys of
@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from headmoe.layers import triton_attention
-from headmoe.layers.range_attention import RangePlan
+from headmoe.layers.range_plan import RangePlan
 from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 

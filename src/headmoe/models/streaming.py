@@ -8,8 +8,8 @@ Generic over a list of layer modules (MAGI-2's `block.layers`, the refiner's lay
 layer reads is a list of `TensorRead`s (its tensor, the stored checkpoint name, the stored
 rows this rank holds), built by the model family (`headmoe.models.magi2.loading.
 stream_layers`). `LayerStreamer` attaches to the layers with forward hooks, so a model
-whose loop calls its layers is unchanged; a loop that calls a layer's parts instead wraps
-them in `present(layer)` (the refiner).
+whose loop calls its layers (both families: `headmoe.models.common.PlannedModel`) is
+unchanged.
 
 Data path of one streamed layer on one rank:
 
@@ -339,24 +339,6 @@ class _LayerPlan:
 
 
 # ---------------------------------------------------------------------- the streamer
-#: attribute of a streamed layer module naming its `LayerStreamer` (for `present`)
-STREAMER_ATTR = "_headmoe_streamer"
-
-
-@contextlib.contextmanager
-def present(layer: nn.Module) -> Iterator[nn.Module]:
-    """`layer` with its weights present while the body runs: nothing to do for a resident
-    layer (or one its forward hook already bound), `LayerStreamer.use` for a streamed one.
-    For a model loop that calls a layer's parts instead of the layer (the refiner's)."""
-    streamer = layer.__dict__.get(STREAMER_ATTR)
-    index = None if streamer is None else streamer.index_of(layer)
-    if index is None or index in streamer.bound:
-        yield layer
-        return
-    with streamer.use(index):
-        yield layer
-
-
 class LayerStreamer:
     """Streams the weights of `layers[i]`, i in `streamed`, through `slots` slot buffers.
 
@@ -406,7 +388,6 @@ class LayerStreamer:
         self._hooks = []
         for p in self.order:
             layer = self.layers[p.index]
-            layer.__dict__[STREAMER_ATTR] = self
             self._hooks.append(layer.register_forward_pre_hook(self._pre_hook(p.index)))
             self._hooks.append(layer.register_forward_hook(self._post_hook(p.index),
                                                            always_call=True))
@@ -520,8 +501,6 @@ class LayerStreamer:
         self._pool.shutdown(wait=True)
         for h in self._hooks:
             h.remove()
-        for p in self.order:
-            self.layers[p.index].__dict__.pop(STREAMER_ATTR, None)
         for i in list(self.bound):
             self._unbind(i)
         self.content = [None] * len(self.host)

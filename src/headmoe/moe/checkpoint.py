@@ -12,16 +12,20 @@ import torch
 
 from headmoe.config import check_positive_int
 from headmoe.distributed.sharding import head_shard
+from headmoe.moe.weights import Bf16Experts
 
-#: MoE tensors with (head, expert) rows, by their name relative to the MoE module
-MOE_ROW_TENSORS: tuple[str, ...] = (
-    "gate",
-    "W_gate",
-    "W_up",
-    "W_down",
-    "router.expert_bias",
-    "router.expert_bias_ema",
-)
+#: the router's tensors with (head, expert) rows, by their name relative to the MoE module
+ROUTER_ROW_TENSORS: tuple[str, ...] = ("gate", "router.expert_bias", "router.expert_bias_ema")
+
+
+def row_tensors(expert_names: tuple[str, ...]) -> tuple[str, ...]:
+    """Every MoE tensor with (head, expert) rows of a layer whose experts' format registers
+    `expert_names` (`ExpertWeights.NAMES`), in registration order."""
+    return (ROUTER_ROW_TENSORS[0], *expert_names, *ROUTER_ROW_TENSORS[1:])
+
+
+#: MoE tensors with (head, expert) rows of the released format (`Bf16Experts`)
+MOE_ROW_TENSORS: tuple[str, ...] = row_tensors(Bf16Experts.NAMES)
 
 
 def moe_row_slice(

@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from headmoe.config import is_int
+from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import (
     ExchangeWorkspace,
@@ -23,18 +22,26 @@ from headmoe.distributed.exchange import (
     gather_heads,
     scatter_heads,
 )
+from headmoe.distributed.forward_plan import (
+    HeadDispatch,
+    ParallelPlan,
+    check_sp_counts,
+    one_rank_plan,
+    parallel_plan,
+)
 from headmoe.distributed.sharding import (
     DispatchPlan,
     HeadShard,
     dispatch_plan,
     head_shard,
 )
-from headmoe.layers import triton_runtime
+from headmoe.distributed.topology import Coords
 from headmoe.moe import triton_moe
-from headmoe.moe.checkpoint import MOE_ROW_TENSORS, fit_rows
+from headmoe.moe.checkpoint import fit_rows, row_tensors
 from headmoe.moe.config import MoEConfig
 from headmoe.moe.experts import experts_grouped
 from headmoe.moe.routing import route
+from headmoe.moe.weights import Bf16Experts, ExpertWeights
 
 #: the expert paths shipped here are batch-invariant (tests/moe/test_experts.py)
 EXPERTS_BATCH_INVARIANT = True
@@ -47,6 +54,24 @@ def plan_dispatch(
     dispatch_plan` (the rule) as the exchange's `HeadLayout`."""
     p = dispatch_plan(mode, sp_counts, sp_rank, ep_size, batch_invariant)
     return p.axis, p.layout
+
+
+def moe_dispatch(parallel: ParallelConfig, coords: Coords, ep_size: int,
+                 counts: tuple[int, ...]) -> DispatchPlan:
+    """The MoE exchange of one forward on the rank at `coords` whose SP group splits the
+    tokens as `counts` (SP order): `dispatch_plan` of the configured `moe_exchange` for the
+    experts shipped here (`EXPERTS_BATCH_INVARIANT`). Models' schedules and the planner call
+    it."""
+    return dispatch_plan(parallel.moe_exchange, counts, coords.sp, ep_size,
+                         EXPERTS_BATCH_INVARIANT)
+
+
+def moe_plan(ctx: ParallelContext, counts: tuple[int, ...]) -> ParallelPlan:
+    """The `ParallelPlan` of a forward of MoE layers alone (no model around them) under
+    `ctx` for SP token counts `counts` (`ValueError` naming `token_counts` first)."""
+    counts = check_sp_counts(ctx.config.ulysses_degree, counts)
+    dispatch = moe_dispatch(ctx.config, ctx.coords, ctx.topology.expert_parallel_size, counts)
+    return parallel_plan(ctx, counts, dispatch)
 
 
 class MoERouter(nn.Module):
@@ -63,11 +88,15 @@ class MultiHeadMoE(nn.Module):
     """Multi-head MoE layer (MAGI-2 semantics), head-sharded over the EP degree of `context`.
 
     Parameters (checkpoint names, rows ordered (head, expert), this EP rank's `h*E` rows with
-    `h = ceil(H/E_ep)`; rows of padded heads are zeros): `gate` `[h*E, d]` fp32; `W_gate`,
-    `W_up` `[h*E, d, d_expert]` and `W_down` `[h*E, d_expert, d]` in `config.dtype`;
+    `h = ceil(H/E_ep)`; rows of padded heads are zeros): `gate` `[h*E, d]` fp32; the routed
+    experts' tensors of `experts` (an `ExpertWeights` format, default `Bf16Experts`: `W_gate`,
+    `W_up` `[h*E, d, d_expert]` and `W_down` `[h*E, d_expert, d]` in `config.dtype`);
     `router.expert_bias`, `router.expert_bias_ema` `[h*E]` fp32. `load_state_dict` accepts
     full (unsharded) or local-shaped tensors; with `config.bias_from_ema` the loaded
     `expert_bias_ema` also becomes `expert_bias`. Inference only (no gradients).
+
+    `context` is read at construction only (which head shard this rank holds); each forward
+    receives its `ParallelPlan`.
 
     `workspace`: an optional `ExchangeWorkspace` for both all-to-alls, typically one shared
     by every MoE layer of a model (layers run one after the other). With it, the output of
@@ -82,12 +111,12 @@ class MultiHeadMoE(nn.Module):
         context: ParallelContext | None = None,
         workspace: ExchangeWorkspace | None = None,
         shard: HeadShard | None = None,
+        experts: ExpertWeights | None = None,
     ):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise ValueError(f"config must be a MoEConfig, got {type(config).__name__}")
         self.config = config
-        self.context = context
         self.workspace = workspace
         self.shard = self._checked_shard(context, shard)
         self.ep_size = self.shard.ep_size
@@ -96,9 +125,10 @@ class MultiHeadMoE(nn.Module):
         self.local_heads = rows // e
         self.real_heads = (self.row_stop - self.row_start) // e
         self.gate = nn.Parameter(torch.zeros(rows, d), requires_grad=False)
-        self.W_gate = nn.Parameter(torch.zeros(rows, d, f, dtype=config.dtype), requires_grad=False)
-        self.W_up = nn.Parameter(torch.zeros(rows, d, f, dtype=config.dtype), requires_grad=False)
-        self.W_down = nn.Parameter(torch.zeros(rows, f, d, dtype=config.dtype), requires_grad=False)
+        self.experts = Bf16Experts() if experts is None else experts
+        self.experts.register(self, rows, d, f, config.dtype)
+        self.row_tensors = row_tensors(self.experts.NAMES)
+        """Names of this layer's tensors with (head, expert) rows (sliced per EP rank)."""
         self.router = MoERouter(rows)
         self.expert_compute = experts_grouped
         """`(z, experts, weights, W_gate, W_up, W_down) -> y`; `experts_reference` also fits."""
@@ -129,7 +159,7 @@ class MultiHeadMoE(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         full = self.config.num_heads * self.config.num_experts
         local = self.local_heads * self.config.num_experts
-        for name in MOE_ROW_TENSORS:
+        for name in self.row_tensors:
             key = prefix + name
             if key in state_dict:
                 state_dict[key] = fit_rows(
@@ -155,56 +185,61 @@ class MultiHeadMoE(nn.Module):
 
         z: `[N, real_heads, d]` in `config.dtype`; returns `[N, real_heads, d]`, same dtype."""
         rows = self.real_heads * self.config.num_experts
-        route_fn, expert_fn = route, self.expert_compute
-        if expert_fn is experts_grouped and triton_runtime.use_triton(z) and triton_moe.supported(
-            z.shape[2], self.W_gate.shape[2]
-        ):  # CUDA with triton installed: the Triton kernels (docs/moe.md section 3)
-            route_fn, expert_fn = triton_moe.route_triton, triton_moe.experts_triton
+        triton = self.experts.uses_triton(self, z, self.expert_compute)  # docs/moe.md section 3
+        route_fn = triton_moe.route_triton if triton else route
         experts, weights = route_fn(
             z, self.gate[:rows], self.router.expert_bias[:rows], self.config.top_k,
             self.config.route_scale,
         )
-        return expert_fn(
-            z, experts, weights, self.W_gate[:rows], self.W_up[:rows], self.W_down[:rows]
-        )
+        return self.experts.compute(self, z, experts, weights, rows, self.expert_compute, triton)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, token_counts: tuple[int, ...] | None = None,
-                dispatch: DispatchPlan | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: ParallelPlan | None = None) -> torch.Tensor:
         """x: `[T_local, hidden_size]` in `config.dtype` -> `[T_local, hidden_size]`, same dtype.
 
-        token_counts: the token counts of every rank of this rank's SP group, in SP order
-        (host-side; then the only collectives are the two all-to-alls). None: gathered with
-        one all-gather over the SP group. `dispatch`: the exchange to use (a model's
-        `ForwardSchedule.moe_dispatch`); None: `dispatch_plan` of the counts. Bad input raises
-        `ValueError` before any collective.
-        """
+        plan: this forward's `ParallelPlan` (SP token counts, the head dispatcher, the
+        counters); None: one rank, nothing recorded. Pad -> dispatch -> experts -> combine:
+        with an SP group the only collectives are the dispatcher's two all-to-alls. Bad
+        input raises `ValueError` before any collective."""
         cfg = self.config
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != cfg.hidden_size:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape [T, {cfg.hidden_size}], got {shape}")
         if x.dtype != cfg.dtype:
             raise ValueError(f"x.dtype must be config.dtype={cfg.dtype}, got {x.dtype}")
-        t, heads, d = x.shape[0], cfg.num_heads, cfg.head_dim
-        ctx = self.context
-        sp_group = None if ctx is None else ctx.group("sp")
-        counts = self._sp_counts(token_counts, t, sp_group, x.device)
-        if sp_group is None:
-            out = self.compute_heads(x.reshape(t, heads, d)) if t else x.reshape(t, heads, d)
-            if ctx is not None:
-                ctx.counters.record_moe_rows(t * heads)
+        t = x.shape[0]
+        plan = one_rank_plan(t) if plan is None else plan
+        plan.check_tokens(t)
+        z = x.reshape(t, cfg.num_heads, cfg.head_dim)
+        if plan.sp_group is None:  # one SP rank: every head is here
+            out = self.compute_heads(z) if t else z
+            plan.counters.record_moe_rows(t * cfg.num_heads)
             return out.reshape(t, cfg.hidden_size)
-        if dispatch is None:
-            dispatch = dispatch_plan(ctx.config.moe_exchange, counts, ctx.group_rank("sp"),
-                                     self.ep_size, EXPERTS_BATCH_INVARIANT)
-        axis = dispatch.axis
-        layout = dispatch.layout
-        z = x.reshape(t, heads, d)
+        if plan.dispatch is None:
+            raise ValueError("plan.dispatch is None: an SP group needs the MoE head dispatcher")
+        owned = self._dispatch(self._pad(z), plan.dispatch, plan)
+        y = self._experts(owned, plan.dispatch.layout, plan)
+        out = gather_heads(y, plan.dispatch.group, plan.dispatch.layout, workspace=self.workspace,
+                           counters=plan.counters)
+        return out[:, : cfg.num_heads].reshape(t, cfg.hidden_size)
+
+    def _pad(self, z: torch.Tensor) -> torch.Tensor:
+        """`[T, H, d]` -> `[T, h*E_ep, d]`: zero heads so that every EP rank owns
+        `local_heads`."""
         padded = self.local_heads * self.ep_size
-        if padded != heads:  # zero heads so that every EP rank owns `local_heads`
-            z = torch.cat([z, z.new_zeros((t, padded - heads, d))], dim=1)
-        group, ws = ctx.group(axis), self.workspace
-        owned = scatter_heads(z, group, layout, workspace=ws, counters=ctx.counters)
+        if padded == z.shape[1]:
+            return z
+        return torch.cat([z, z.new_zeros((z.shape[0], padded - z.shape[1], z.shape[2]))], dim=1)
+
+    def _dispatch(self, z: torch.Tensor, dispatch: HeadDispatch, plan: ParallelPlan
+                  ) -> torch.Tensor:
+        """Padded `[T, h*E_ep, d]` -> this rank's heads `[owned_tokens, h, d]`."""
+        return scatter_heads(z, dispatch.group, dispatch.layout, workspace=self.workspace,
+                             counters=plan.counters)
+
+    def _experts(self, owned: torch.Tensor, layout: HeadLayout, plan: ParallelPlan
+                 ) -> torch.Tensor:
+        """The experts of this rank's real heads on `owned` `[owned_tokens, h, d]`."""
         # Padded heads arrive as zeros, which is also their output: a padding-only owner
         # returns what it received, a mixed owner overwrites only its real heads (`owned` is
         # a fresh tensor or scatter's workspace buffer, never `x`, since padding means a cat).
@@ -215,34 +250,5 @@ class MultiHeadMoE(nn.Module):
                 y = res
             else:
                 y[:, : self.real_heads] = res
-        ctx.counters.record_moe_rows(layout.owned_tokens * self.real_heads)
-        out = gather_heads(y, group, layout, workspace=ws, counters=ctx.counters)
-        return out[:, :heads].reshape(t, cfg.hidden_size)
-
-    def _sp_counts(
-        self, token_counts: Any, t: int, sp_group: Any, device: torch.device
-    ) -> tuple[int, ...]:
-        """Validated SP token counts (`(t,)` on one rank; all-gathered when None, through
-        tensors on `device`, the input's: NCCL takes CUDA tensors only)."""
-        sp = 1 if sp_group is None else dist.get_world_size(sp_group)
-        if token_counts is None:
-            if sp_group is None:
-                return (t,)
-            gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(sp)]
-            mine = torch.tensor([t], dtype=torch.int64, device=device)
-            dist.all_gather(gathered, mine, group=sp_group)
-            return tuple(int(c) for c in gathered)
-        if not isinstance(token_counts, tuple | list) or len(token_counts) != sp or any(
-            not is_int(c) or c < 0 for c in token_counts
-        ):
-            raise ValueError(
-                f"token_counts must be a tuple of {sp} non-negative ints (one per SP rank), "
-                f"got {token_counts!r}"
-            )
-        me = 0 if sp_group is None else dist.get_rank(sp_group)
-        if token_counts[me] != t:
-            raise ValueError(
-                f"token_counts[{me}]={token_counts[me]!r} does not match this rank's "
-                f"x.shape[0]={t}"
-            )
-        return tuple(token_counts)
+        plan.counters.record_moe_rows(layout.owned_tokens * self.real_heads)
+        return y

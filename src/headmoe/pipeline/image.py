@@ -1,10 +1,10 @@
 """The image-to-video reference image: opening, checking and preprocessing (MAGI2.md 9.2).
 
-`read_image` / `open_image` turn untrusted bytes into an RGB ``PIL.Image`` exactly as the
-release opens its ``--image`` (diffusers' ``load_image``: EXIF orientation applied, then
-``convert("RGB")``: alpha is dropped, not composited; palette, 16-bit, CMYK and grayscale
-images go through Pillow's own conversion), after these checks, each a `ImageError` naming
-the problem:
+`open_image` (for a file: `headmoe.pipeline.image_worker.read_image`) turns untrusted
+bytes into an RGB ``PIL.Image`` exactly as the release opens its ``--image`` (diffusers'
+``load_image``: EXIF orientation applied, then ``convert("RGB")``: alpha is dropped, not
+composited; palette, 16-bit, CMYK and grayscale images go through Pillow's own
+conversion), after these checks, each a `ImageError` naming the problem:
 
 - at most `MAX_IMAGE_BYTES` bytes, and not empty;
 - a PNG, JPEG or WebP file (`FORMATS`), recognised by Pillow from its header;
@@ -112,7 +112,7 @@ class ReferenceImage:
 
     def pixels_uint8(self) -> torch.Tensor:
         """``[height, width, 3]`` uint8 (a copy)."""
-        import torch
+        import torch  # not at the top: the decoding child imports this module without torch
 
         if self.pixels is None:
             raise RuntimeError("this rank holds the image's description only, not its pixels")
@@ -335,23 +335,3 @@ def prepare_image(data: bytes, height: int, width: int, what: str = "the image"
     return ReferenceImage(**facts, long_side=long_side, height=vh, width=vw,
                           pixels=pixels.tobytes())
 
-
-def read_image(path: str, height: int, width: int) -> ReferenceImage:
-    """`prepare_image` of the file at ``path`` (at most `MAX_IMAGE_BYTES` are read; the
-    path must be a regular file), in a child process bounded in memory and time
-    (`headmoe.pipeline.image_worker`). Raises `ImageError` naming ``path``."""
-    import os
-    import stat
-
-    from headmoe.pipeline.image_worker import prepare_isolated
-
-    what = f"--image {path!r}"
-    try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise ImageError(f"{what} is not a regular file")
-        with open(path, "rb") as f:
-            data = f.read(MAX_IMAGE_BYTES + 1)
-    except OSError as exc:
-        raise ImageError(f"{what} cannot be read: {exc.strerror or exc}") from None
-    return prepare_isolated(data, height, width, what)

@@ -1,12 +1,13 @@
 """Untrusted images are decoded in a child process, bounded in memory and in time.
 
-`prepare_isolated` runs `headmoe.pipeline.image.prepare_image` in a fresh Python process
-(this module under a bare ``headmoe`` package, `_CHILD`: numpy and Pillow only, no torch,
-so it starts in a fraction of a second), so that a hostile file can neither grow the caller's memory (the child's is returned
-to the system when it exits, and its address space is capped at `CHILD_MEMORY_BYTES`) nor
-hold the caller's GIL. The child is killed after `DECODE_TIMEOUT_S` seconds, or as soon as
-``cancelled`` is set (the HTTP client went away). The file-level checks (byte cap) run here
-first, so an oversized file never reaches a child.
+`read_image` (a file: ``generate --image``) and `prepare_isolated` (bytes) run
+`headmoe.pipeline.image.prepare_image` in a fresh Python process (this module under a bare
+``headmoe`` package, `_CHILD`: numpy and Pillow only, no torch, so it starts in a fraction
+of a second), so that a hostile file can neither grow the caller's memory (the child's is
+returned to the system when it exits, and its address space is capped at
+`CHILD_MEMORY_BYTES`) nor hold the caller's GIL. The child is killed after
+`DECODE_TIMEOUT_S` seconds, or as soon as ``cancelled`` is set (the HTTP client went away).
+The file-level checks (byte cap) run here first, so an oversized file never reaches a child.
 
 The child reads ``height width what`` from its arguments and the file from stdin, and
 writes one reply: an 8-byte length, a JSON header (``{"facts": ...}`` or ``{"error":
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import stat
 import subprocess
 import sys
 import threading
@@ -24,6 +27,7 @@ import time
 
 from headmoe.pipeline.image import (
     MAX_DECODE_BYTES,
+    MAX_IMAGE_BYTES,
     ImageError,
     ReferenceImage,
     check_bytes,
@@ -65,6 +69,22 @@ def prepare_isolated(data: bytes, height: int, width: int, what: str = "the imag
         for pipe in (proc.stdin, proc.stdout):
             pipe.close()
     return _reply(out, proc.returncode, what)
+
+
+def read_image(path: str, height: int, width: int) -> ReferenceImage:
+    """`prepare_image` of the file at ``path`` (at most `MAX_IMAGE_BYTES` are read; the
+    path must be a regular file), in a child process bounded in memory and time
+    (`prepare_isolated`). Raises `ImageError` naming ``path``."""
+    what = f"--image {path!r}"
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise ImageError(f"{what} is not a regular file")
+        with open(path, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise ImageError(f"{what} cannot be read: {exc.strerror or exc}") from None
+    return prepare_isolated(data, height, width, what)
 
 
 class ImageCancelled(ImageError):
@@ -122,8 +142,6 @@ def _reply(out: bytes, code: int, what: str) -> ReferenceImage:
 
 
 def _cap_memory() -> None:
-    import resource
-
     try:
         with open("/proc/self/statm") as f:
             held = int(f.read().split()[0]) * resource.getpagesize()

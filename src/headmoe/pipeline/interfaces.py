@@ -1,5 +1,7 @@
 """What a job runs, as interfaces: the transformer (`Denoiser`), the text encoder, the video
-and audio decoders, the image encoder, and `Components`, which holds one of each.
+and audio decoders, the image encoder, the refiner model and where its weights live
+(`Refiner`), `Components`, which holds one of each, and `ReleaseFolder`, what the job
+reads of the release folder its components come from.
 
 The pipeline talks to its non-transformer components only through the protocols below, so
 MAGI-2's real components (`headmoe.release`: a large text encoder with 5120-d features, the
@@ -9,16 +11,16 @@ implementing them; see docs/pipeline.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from headmoe.models.magi2 import BranchInput
-    from headmoe.pipeline.image import ReferenceImage
-    from headmoe.pipeline.refine import Refiner
+from headmoe.models.magi2 import BranchInput
+from headmoe.models.refiner import Magi2Refiner
+from headmoe.pipeline.image import ReferenceImage
 
 
 class TextEncoder(Protocol):
@@ -81,6 +83,32 @@ class ImageEncoder(Protocol):
         ...
 
 
+class Refiner:
+    """The refiner model of a job on one rank and where its weights live: on the device,
+    or (``offload`` on a GPU) on the host except while `active` runs the stage, which moves
+    the preview transformer (``idle``, None: nothing to move) to the host for that time."""
+
+    def __init__(self, model: Magi2Refiner, idle: torch.nn.Module | None,
+                 device: torch.device, offload: bool):
+        self.model, self.idle, self.device = model, idle, device
+        self.offload = offload and device.type != "cpu"
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[Magi2Refiner]:
+        moves = self.offload and self.idle is not None
+        if self.offload:
+            if moves:
+                self.idle.to("cpu")
+            self.model.to(self.device)
+        try:
+            yield self.model
+        finally:
+            if self.offload:
+                self.model.to("cpu")
+                if moves:
+                    self.idle.to(self.device)
+
+
 @dataclass
 class Components:
     """What a job runs: the transformer behind `Denoiser`, the three codecs and, for
@@ -92,7 +120,7 @@ class Components:
     audio_decoder: AudioDecoder
     image_encoder: ImageEncoder | None = None
     refiner: Refiner | None = None
-    """The 1080p stage's `headmoe.pipeline.refine.Refiner` (None: the job has no refiner)."""
+    """The 1080p stage's `Refiner` (None: the job has no refiner)."""
 
 
 class ReleaseFolder(Protocol):

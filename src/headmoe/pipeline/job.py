@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from tqdm import tqdm
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext, set_rank_threads
 from headmoe.distributed.launch import torchrun_env
+from headmoe.distributed.topology import is_output_coords
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput, Magi2Config
 from headmoe.numerics import numerics_record, require_reproducible_blas
@@ -51,7 +52,9 @@ from headmoe.pipeline.health import (
     warn_truncated,
 )
 from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
+from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.interfaces import Components, ReleaseFolder, TextEncoder
+from headmoe.pipeline.latents import frame_count
 from headmoe.pipeline.media import (
     quantize_audio,
     sidecar_path,
@@ -63,11 +66,7 @@ from headmoe.pipeline.refine import REFINER_FPS_FACTOR, RefinerStage, refine_sta
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
-from headmoe.release.placement import is_output_coords
-from headmoe.release.video_latents import frame_count
 
-if TYPE_CHECKING:
-    from headmoe.pipeline.image import ReferenceImage
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateJob:

@@ -15,8 +15,9 @@ sizes and the 10 s clip, MAGI2.md section 6.8); the released values themselves l
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from headmoe.models.magi2 import Magi2Config, get_config
 from headmoe.pipeline.released import (
     RELEASED_AUDIO_GUIDANCE_SCALE,
     RELEASED_DTYPE,
@@ -27,9 +28,6 @@ from headmoe.pipeline.released import (
     RELEASED_SHIFT,
 )
 from headmoe.pipeline.request import GenerateRequest
-
-if TYPE_CHECKING:
-    from headmoe.models.magi2 import Magi2Config
 
 #: resolution presets: name -> (height, width) of the transformer's video
 RESOLUTIONS: dict[str, tuple[int, int]] = {"272p": (256, 448), "540p": (512, 896),
@@ -76,7 +74,5 @@ RELEASED = Recipe(
 def recipe_for(model_config: Magi2Config) -> Recipe:
     """`TINY` for a model with the tiny preset's shape (the embedded release, whatever its
     name), `RELEASED` for every other (MAGI-2 Preview and its variants)."""
-    from headmoe.models.magi2 import get_config
-
     tiny = {**get_config("tiny").to_dict(), "name": None}
     return TINY if {**model_config.to_dict(), "name": None} == tiny else RELEASED

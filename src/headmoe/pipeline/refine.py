@@ -15,9 +15,8 @@ never sees the time. The audio is the preview's.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +28,10 @@ from headmoe.distributed.context import ParallelContext
 from headmoe.models.refiner import Magi2Refiner
 from headmoe.models.refiner.config import RELEASED_EVALUATION
 from headmoe.pipeline.health import REFINER_HINT, check_media
+from headmoe.pipeline.latents import SPATIAL_STRIDE
 from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import MAX_INFERENCE_STEPS, MAX_SIDE
 from headmoe.pipeline.sampler import Schedule, UniPCSampler, cfg_combine, released_schedule
-from headmoe.release.video_latents import SPATIAL_STRIDE
 
 #: the refiner's released evaluation fields (REFINER.md section 2; their home is
 #: `headmoe.models.refiner.config.RELEASED_EVALUATION`, which a nested config is checked by)
@@ -42,7 +41,7 @@ REFINER_GUIDANCE: float = RELEASED_EVALUATION["magi2_refiner_video_txt_guidance_
 REFINER_NOISE_INDEX: int = RELEASED_EVALUATION["magi2_refiner_noise_value"]
 #: latent frames per preview frame interval (the refined clip has 2T - 1 latent frames at
 #: twice the preview's fps); a refiner latent cell is `SPATIAL_STRIDE` pixels, as the
-#: preview's (the decoders' rule, `headmoe.release.video_latents`)
+#: preview's (the decoders' rule, `headmoe.pipeline.latents`)
 REFINER_FPS_FACTOR = 2
 #: limits of a request's refiner size (pixels) and steps: the request's own side and step
 #: limits (`headmoe.pipeline.request`)
@@ -158,32 +157,6 @@ class RefinerStage:
     def from_dict(cls, fields: dict[str, int]) -> RefinerStage:
         """The stage of a `to_dict` result (re-checked)."""
         return cls(fields["refiner_height"], fields["refiner_width"], fields["refiner_steps"])
-
-
-class Refiner:
-    """The refiner model of a job on one rank and where its weights live: on the device,
-    or (``offload`` on a GPU) on the host except while `active` runs the stage, which moves
-    the preview transformer (``idle``, None: nothing to move) to the host for that time."""
-
-    def __init__(self, model: Magi2Refiner, idle: torch.nn.Module | None,
-                 device: torch.device, offload: bool):
-        self.model, self.idle, self.device = model, idle, device
-        self.offload = offload and device.type != "cpu"
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[Magi2Refiner]:
-        moves = self.offload and self.idle is not None
-        if self.offload:
-            if moves:
-                self.idle.to("cpu")
-            self.model.to(self.device)
-        try:
-            yield self.model
-        finally:
-            if self.offload:
-                self.model.to("cpu")
-                if moves:
-                    self.idle.to(self.device)
 
 
 def refiner_predict(ctx: ParallelContext, model: Magi2Refiner, texts: list[torch.Tensor]

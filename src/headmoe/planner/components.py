@@ -25,8 +25,10 @@ from functools import cache
 
 import torch
 
-from headmoe.distributed.topology import Topology
-from headmoe.release.placement import IMAGE_RANK, is_output_coords
+from headmoe.distributed.topology import Topology, is_output_coords
+from headmoe.release import audio_vae, text_encoder, tiny_text_encoder, turbo_vae, wan_vae
+from headmoe.release import folder as release
+from headmoe.release.placement import IMAGE_RANK
 
 #: Qwen3.5-27B text model sizes used when no release folder is given (MAGI2.md section 7:
 #: 5120-d features); the folder's config.json is the authority when there is one
@@ -71,9 +73,6 @@ def _text_bytes(cfg, dtype: torch.dtype) -> int:
 def _text_config(source: str):
     from transformers import Qwen3_5TextConfig
 
-    from headmoe.release import folder as release
-    from headmoe.release import text_encoder, tiny_text_encoder
-
     if source == "tiny":
         t = release.TINY_SPEC["text_encoder"]
         vocab = len(tiny_text_encoder.train_tokenizer())
@@ -87,9 +86,6 @@ def _text_config(source: str):
 
 
 def _video_bytes(source: str, video_decoder: str) -> int:
-    from headmoe.release import folder as release
-    from headmoe.release import turbo_vae, wan_vae
-
     if video_decoder == "turbo":
         if source in ("tiny", "magi2-preview"):
             widths = release.TINY_SPEC["turbo_vae"]["widths"] if source == "tiny" else None
@@ -104,9 +100,6 @@ def _video_bytes(source: str, video_decoder: str) -> int:
 
 def _wan_config(source: str) -> dict | None:
     """The ``AutoencoderKLWan`` config of ``source``'s ``vae/`` (None: the released one)."""
-    from headmoe.release import folder as release
-    from headmoe.release import wan_vae
-
     if source == "tiny":
         v = release.TINY_SPEC["vae"]
         return dict(wan_vae.RELEASED_CONFIG, base_dim=v["base_dim"],
@@ -119,17 +112,12 @@ def _wan_config(source: str) -> dict | None:
 
 def _image_encoder_bytes(source: str) -> int:
     """The encoder and ``quant_conv`` of the Wan2.2 VAE in fp32, as `load_wan_encoder`."""
-    from headmoe.release import wan_vae
-
     vae = wan_vae.build_wan_vae(_wan_config(source))
     return sum(_nbytes(getattr(vae, p.rstrip(".")), torch.float32)
                for p in wan_vae.ENCODER_PARTS)
 
 
 def _audio_bytes(source: str) -> int:
-    from headmoe.release import audio_vae
-    from headmoe.release import folder as release
-
     if source == "tiny":
         cfg = audio_vae.OobleckConfig(channels=release.TINY_SPEC["audio"]["channels"])
     elif source == "magi2-preview":

@@ -10,6 +10,7 @@ import torch
 
 from headmoe.config import GIB, ParallelConfig, is_int
 from headmoe.distributed.counters import Counters
+from headmoe.distributed.sharding import sp_heads
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.planner.components import ComponentBytes, component_bytes_per_rank
 from headmoe.planner.layouts import enumerate_layouts, layout_name
@@ -214,7 +215,7 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
         moe_exchange=placement.exchange,
         auto_exchange=auto.exchange,
         expert_parallel_size=e,
-        attention_heads_per_rank=model.num_attention_heads // topo.sp,
+        attention_heads_per_rank=sp_heads(model.num_attention_heads, topo.sp)[1],
         moe_heads_per_rank=placement.owned_heads,
         padded_moe_heads=placement.padded_heads - model.moe_num_heads,
         busiest_moe_rows=max(rows),

@@ -9,6 +9,9 @@ the output shards ("sp_output_gather"; SP > 1). It uses the runtime's own partit
 functions (`sp_token_counts`, `HeadLayout`, `replica_token_counts`, the MoE layer's
 exchange rule), so a prediction and a measurement can be compared with `==`.
 
+`refiner_counters` does the same for one refiner forward, from the refiner's own
+`refiner_schedule` and the same byte rule (`schedule_counters`).
+
 Bytes of an all-to-all follow the counter definition: the blocks a rank sends to and
 receives from *other* ranks; a group of one rank, or one holding no tokens, issues no
 collective and records nothing.
@@ -16,6 +19,7 @@ collective and records nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -25,15 +29,17 @@ from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.counters import Counters
 from headmoe.distributed.exchange import ExchangeWorkspace, HeadLayout, gathered_bytes
-from headmoe.distributed.schedule import Collective, Exchange
+from headmoe.distributed.schedule import Collective, Exchange, ForwardSchedule
 from headmoe.distributed.sharding import head_shard, sp_token_counts
 from headmoe.distributed.topology import AXES, Topology, plan_topology
 from headmoe.models.magi2.config import Magi2Config, validate_parallel
 from headmoe.models.magi2.model import Magi2Layer, Magi2Transformer, MoEMLP
 from headmoe.models.magi2.schedule import forward_schedule
+from headmoe.models.refiner.config import Magi2RefinerConfig
+from headmoe.models.refiner.config import validate_parallel as validate_refiner_parallel
+from headmoe.models.refiner.schedule import refiner_schedule
 from headmoe.models.streaming import slot_layout
-from headmoe.moe import plan_dispatch
-from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
+from headmoe.moe.layer import moe_dispatch
 from headmoe.planner.request import RequestShape
 
 
@@ -87,11 +93,11 @@ class MoEPlacement:
 def moe_placement(model: Magi2Config, topo: Topology, rank: int,
                   counts: tuple[int, ...]) -> MoEPlacement:
     """Where a MoE layer's rows go on `rank`, given the SP token counts `counts` (the MoE
-    layer's own `plan_dispatch` and `moe_row_slice`)."""
+    layer's own `moe_dispatch` and head shard)."""
     c = topo.coords(rank)
     e = topo.expert_parallel_size
-    axis, layout = plan_dispatch(topo.config.moe_exchange, counts, c.sp, e,
-                                 EXPERTS_BATCH_INVARIANT)
+    dispatch = moe_dispatch(topo.config, c, e, counts)
+    axis, layout = dispatch.axis, dispatch.layout
     shard = head_shard(model.moe_num_heads, e, c.ep)
     return MoEPlacement(layout, f"{axis}_group", shard.padded_heads, shard.per_rank,
                         shard.real_heads)
@@ -107,10 +113,31 @@ def forward_counters(model: Magi2Config, request: RequestShape, parallel: Parall
     c = topo.coords(rank)
     counts = sequence_counts(request, parallel, c.cfg)
     schedule = forward_schedule(model, topo, c, counts)
+    return schedule_counters(schedule, model.num_layers, model.moe_layer_ids, dtype)
+
+
+def refiner_counters(config: Magi2RefinerConfig, num_tokens: int, parallel: ParallelConfig,
+                     rank: int, dtype: torch.dtype = torch.float32) -> Counters:
+    """The `Counters` one `Magi2Refiner.forward` of `num_tokens` packed rows (video and
+    text) records on `rank`, for a refiner built with `dtype`: the bytes of every
+    collective of its `refiner_schedule` (no MoE rows)."""
+    validate_refiner_parallel(config, parallel)
+    topo = plan_topology(parallel.world_size, parallel)
+    c = topo.coords(rank)
+    schedule = refiner_schedule(config, topo, c,
+                                sp_token_counts(num_tokens, parallel.ulysses_degree))
+    return schedule_counters(schedule, config.num_layers, (), dtype)
+
+
+def schedule_counters(schedule: ForwardSchedule, num_layers: int,
+                      moe_layer_ids: Sequence[int], dtype: torch.dtype) -> Counters:
+    """The `Counters` a forward executing `schedule` records: per layer its collectives
+    (activations in `dtype`) and, on the layers of `moe_layer_ids`, the schedule's MoE
+    rows; then the collectives after the layers (fp32 where the schedule says so)."""
     out = Counters()
-    moe_calls = iter(model.moe_layer_ids)
+    moe_calls = iter(moe_layer_ids)
     next_moe = next(moe_calls, None)
-    for layer in range(model.num_layers):
+    for layer in range(num_layers):
         for step in (s for s in schedule.collectives if s.layer == layer):
             out.record_exchange(step.kind, *_collective_bytes(step, _element_size(dtype)))
         if layer == next_moe:

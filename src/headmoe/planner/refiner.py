@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from headmoe.config import ParallelConfig
-from headmoe.distributed.sharding import sp_token_counts
+from headmoe.distributed.sharding import sp_heads, sp_kv_heads, sp_token_counts
 from headmoe.models.refiner import MLP_CHUNK_ROWS, Magi2RefinerConfig, refiner_weight_bytes
+from headmoe.pipeline.latents import frame_count
 from headmoe.planner.memory import MemoryEstimate, decoded_video_bytes
-from headmoe.release.video_latents import frame_count
 
 #: live fp32 copies of the residual-width tensors in one layer (residual, norm output,
 #: attention branch, gated output) and of one MLP chunk's [rows, 2I] (up_gate output, its
@@ -110,8 +110,8 @@ def refiner_memory(config: Magi2RefinerConfig, thw: tuple[int, int, int], text_t
     c, d = config.hidden_size, config.head_dim
     size = torch.empty((), dtype=dtype).element_size()
     residual = local * (c + config.qkv_width) * 4 * RESIDUAL_COPIES
-    heads = config.num_attention_heads // sp
-    kv = max(config.num_query_groups // sp, 1) if config.num_query_groups % sp == 0 else heads
+    heads = sp_heads(config.num_attention_heads, sp)[1]
+    kv = sp_kv_heads(config.num_attention_heads, config.num_query_groups, sp)
     attention = n * (heads + 2 * kv) * d * size * (3 if sp > 1 else 1) + n * heads * d * size
     mlp = min(local, chunk_rows) * 2 * config.intermediate_size * 4 * MLP_CHUNK_COPIES
     return RefinerMemory(refiner_weight_bytes(config, dtype), residual + attention + mlp)

@@ -2,7 +2,7 @@
 
 A request is one packed sequence per CFG branch, `[video | audio | text]`; the branches
 (conditional, unconditional) differ only in their text length. Frame and latent arithmetic
-is the release decoders' (`headmoe.release.video_latents.latent_shape`, MAGI2.md section
+is the release decoders' (`headmoe.pipeline.latents.latent_shape`, MAGI2.md section
 3): `T` latent frames decode to `4 (T - 1) + 1` output frames (the smallest `T` covering
 `num_frames`) and 16x16 pixels each. MAGI-2 Preview: 125 frames at 12.5 fps = 10 s, so
 272p (448 x 256) gives a `(32, 16, 28)` latent grid, 14,336 video tokens; audio uses 25
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from headmoe.config import check_positive_int, is_int, is_number
+from headmoe.pipeline.latents import latent_shape
 from headmoe.release.audio_vae import audio_latent_length
-from headmoe.release.video_latents import latent_shape
 
 
 @dataclass(frozen=True)

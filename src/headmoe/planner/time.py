@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from headmoe.config import ParallelConfig
+from headmoe.models.magi2.loading import checkpoint_spec
 
 #: effective fp32 GEMM rate of one CPU thread (AVX2/AVX-512 server core, batch-invariant
 #: kernels), FLOP/s
@@ -33,10 +36,6 @@ _EXPERT_WEIGHTS = ("moe_mlp.W_gate", "moe_mlp.W_up", "moe_mlp.W_down")
 @lru_cache(maxsize=16)
 def active_parameters(config) -> int:
     """Parameters one token's forward multiplies by: all but the routed experts it skips."""
-    import torch
-
-    from headmoe.models.magi2.loading import checkpoint_spec
-
     total = experts = 0
     for name, (shape, _) in checkpoint_spec(config).items():
         n = torch.Size(shape).numel()

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from headmoe.files import read_json
@@ -333,8 +334,6 @@ def build_tiny_audio_vae(folder: str | os.PathLike, seed: int = 1003, channels: 
     folder. Weight norm: ``weight_v`` ~ N(0, 1), ``weight_g`` 1 (0.3 for each residual
     unit's 1x1 conv, 0.5 for the last conv), snake log-parameters N(0, 0.3^2), biases
     N(0, 0.02^2)."""
-    from safetensors.torch import save_file
-
     folder = os.fspath(folder)
     cfg = OobleckConfig(channels=channels)
     gen = torch.Generator().manual_seed(seed)

@@ -9,7 +9,6 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,13 +29,11 @@ from headmoe.models.magi2.loading import stream_layers
 from headmoe.models.refiner import Magi2Refiner, load_refiner
 from headmoe.models.refiner.loading import stream_refiner
 from headmoe.pipeline.health import watch_layers
-from headmoe.pipeline.interfaces import Components
-from headmoe.pipeline.refine import Refiner
+from headmoe.pipeline.interfaces import Components, Refiner
+from headmoe.pipeline.job import GenerateJob
 from headmoe.release import placement
+from headmoe.release.folder import Release
 from headmoe.release.standins import ByteTextEncoder, TinyAudioDecoder, TinyVideoDecoder
-
-if TYPE_CHECKING:
-    from headmoe.pipeline.job import GenerateJob
 
 #: the seed of the embedded tiny model's random checkpoint
 TINY_CHECKPOINT_SEED = 0
@@ -64,6 +61,15 @@ def _progress(ctx: ParallelContext, job: GenerateJob):
     return say
 
 
+def job_release(job: GenerateJob) -> Release | None:
+    """``job.release``, the `Release` folder this factory builds the components of (None:
+    the stand-ins); a `TypeError` for another `headmoe.pipeline.interfaces.ReleaseFolder`."""
+    if job.release is None or isinstance(job.release, Release):
+        return job.release
+    raise TypeError(f"job.release must be a headmoe.release.folder.Release, got "
+                    f"{type(job.release).__name__}")
+
+
 def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     """The MAGI-2 transformer sharded by ``ctx`` with ``job.checkpoint`` loaded (or, with
     ``job.offload_layers``, its layers streamed from it: `stream_layers`), and either
@@ -86,15 +92,16 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     model.eval()
     if job.check_layers:
         watch_layers(model)
-    if job.release is not None:
+    release = job_release(job)
+    if release is not None:
         timeout = timedelta(seconds=job.timeout_s)
         say("loading the text encoder and the video and audio decoders")
         return Components(
             Magi2Denoiser(model),
-            placement.node_text_encoder(ctx, job.release, timeout),
-            placement.output_video_decoder(ctx, job.release),
-            placement.output_audio_decoder(ctx, job.release),
-            image_encoder=placement.world_image_encoder(ctx, job.release),
+            placement.node_text_encoder(ctx, release, timeout),
+            placement.output_video_decoder(ctx, release),
+            placement.output_audio_decoder(ctx, release),
+            image_encoder=placement.world_image_encoder(ctx, release),
             refiner=refiner_component(ctx, job, None if job.offload_layers else model)
             if job.refiner is not None else None,
         )
@@ -113,10 +120,12 @@ def refiner_component(ctx: ParallelContext, job: GenerateJob,
     device for the stage and ``preview``, the resident preview transformer or None when its
     layers stream, to the host meanwhile); with ``job.offload_layers`` its layers stream
     (`stream_refiner`) and nothing moves."""
-    release = job.release
-    if release.refiner is None:
+    release = job_release(job)
+    if release is None or release.refiner is None:
+        has = "the job has no release folder" if release is None else \
+            f"{release.root!r} has none"
         raise ValueError(f"refiner_height / refiner_width need a release folder with "
-                         f"refiner/, and {release.root!r} has none")
+                         f"refiner/, and {has}")
     if job.offload_layers:  # its layers stream too (all 30: --resident-layers is the preview's)
         model, streamer = stream_refiner(release.refiner_config, ctx, job.request.torch_dtype,
                                          release.refiner, timeout_s=job.timeout_s)

@@ -28,15 +28,37 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from headmoe.files import atomic_folder, entry_problem
+from headmoe.models.magi2 import (
+    Magi2Config,
+    check_checkpoint,
+    config_from_arg,
+    get_config,
+    spec_digest,
+    write_random_checkpoint,
+)
 from headmoe.models.magi2.loading import INDEX_SUFFIX
-
-if TYPE_CHECKING:
-    from headmoe.models.magi2 import Magi2Config
-    from headmoe.models.refiner import Magi2RefinerConfig
+from headmoe.models.refiner import (
+    Magi2RefinerConfig,
+    check_refiner_checkpoint,
+    get_refiner_config,
+    refiner_spec,
+    write_random_refiner,
+)
+from headmoe.release import (
+    audio_vae,
+    text_encoder,
+    tiny_text_encoder,
+    turbo_vae,
+    video_latents,
+    wan_vae,
+)
 
 PREVIEW_DIR, TEXT_ENCODER_DIR, AUDIO_DIR = "preview", "text_encoder", "stable-audio-open-1.0"
 TURBO_DIR, WAN_DIR = "turbo_vae", "vae"
@@ -103,8 +125,6 @@ def unused_entries(release: Release) -> list[str]:
     keys of the TurboV3 and stable-audio JSON, training-only state of ``checkpoint.ckpt``),
     each ``"<folder>/<file>: <entries>"``. The reference ignores them: headmoe warns and
     records them (`Release.unused`, the sidecar) instead of refusing the folder."""
-    from headmoe.release import audio_vae, turbo_vae
-
     out = []
     if release.video_decoder == "turbo":
         out += [f"{TURBO_DIR}/{e}" for e in turbo_vae.unused_entries(release.video_decoder_path)]
@@ -138,7 +158,6 @@ def required_files(video_decoder: str) -> list[str]:
     weights and the text encoder's weights (`find_release` looks those up)."""
     if video_decoder not in VIDEO_DECODERS:
         raise ValueError(f"video_decoder must be one of {VIDEO_DECODERS}, got {video_decoder!r}")
-    from headmoe.release import audio_vae, turbo_vae, wan_vae
 
     video = (
         [f"{TURBO_DIR}/{turbo_vae.CONFIG_FILE}", f"{TURBO_DIR}/{turbo_vae.CHECKPOINT_FILE}"]
@@ -172,8 +191,6 @@ def release_config(base: Path, model_config: Magi2Config | str | None = None) ->
     """The transformer configuration of release folder ``base``: ``model_config`` when given
     (a `Magi2Config`, a preset name or a JSON file), else ``preview/config.json`` when
     present, else the `IMPLIED_CONFIG` preset; named after the folder."""
-    from headmoe.models.magi2 import Magi2Config, config_from_arg, get_config
-
     if isinstance(model_config, str):
         cfg = config_from_arg(model_config)
     elif model_config is not None:
@@ -192,8 +209,6 @@ def find_refiner(base: Path) -> tuple[str | None, Magi2RefinerConfig | None]:
     rule of every component file (`entry_problem`: inside the folder, a regular file,
     readable): a ``refiner/`` linked out of the folder, or a config.json that is a FIFO, a
     device or a folder, is refused with one `ValueError`, never replaced by the preset."""
-    from headmoe.models.refiner import Magi2RefinerConfig, get_refiner_config
-
     if not (base / REFINER_DIR).is_dir():
         return None, None
     checkpoint = _transformer_file(base, REFINER_DIR)
@@ -264,8 +279,6 @@ def find_release(
 
 
 def _wan_file() -> str:
-    from headmoe.release import wan_vae
-
     return wan_vae.CHECKPOINT_FILE
 
 
@@ -291,9 +304,6 @@ def check_release(release: Release) -> Release:
     `ValueError` naming the file or tensor. A refiner that fails its checks does not fail
     the folder: the release is returned without it, the reason in ``refiner_problem``
     (only a run of the refiner stage is refused, with that reason)."""
-    from headmoe.models.magi2 import check_checkpoint
-    from headmoe.release import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
-
     cfg, root = release.model_config, Path(release.root)
     _component(release.transformer, check_checkpoint, cfg, release.transformer)
     width = _component(release.text_encoder, text_encoder.check_text_encoder, release.text_encoder)
@@ -330,8 +340,6 @@ def check_release(release: Release) -> Release:
 def check_refiner(release: Release) -> None:
     """The refiner's headers (`check_refiner_checkpoint`) and its widths against the
     preview's (the same latents and text features). One-line `ValueError`."""
-    from headmoe.models.refiner import check_refiner_checkpoint
-
     cfg, rcfg = release.model_config, release.refiner_config
     implied = ("" if os.path.lexists(Path(release.root) / REFINER_DIR / MODEL_CONFIG) else
                f" ({REFINER_DIR}/{MODEL_CONFIG} is absent: the {IMPLIED_REFINER_CONFIG} "
@@ -388,12 +396,7 @@ TRANSFORMER_INDEX = f"model{INDEX_SUFFIX}"
 def tiny_release_name() -> str:
     """``tiny-release-<hash>``: the hash covers `TINY_SPEC`, the tiny transformer config and
     tensor spec, and the versions of the libraries whose initialisers draw the weights."""
-    from importlib.metadata import version
 
-    import torch
-
-    from headmoe.models.magi2 import get_config, spec_digest
-    from headmoe.models.refiner import get_refiner_config, refiner_spec
 
     rcfg = get_refiner_config(TINY_SPEC["refiner"]["preset"])
     rspec = {k: [list(s), str(d)] for k, (s, d) in refiner_spec(rcfg).items()}
@@ -405,9 +408,6 @@ def tiny_release_name() -> str:
 
 def write_tiny_release(folder: str | os.PathLike) -> None:
     """Write the tiny release layout into ``folder`` (created; deterministic)."""
-    from headmoe.models.magi2 import get_config, write_random_checkpoint
-    from headmoe.release import audio_vae, tiny_text_encoder, turbo_vae, wan_vae
-
     base, spec = Path(folder), TINY_SPEC
     cfg = get_config(spec["transformer"]["preset"])
     text = spec["text_encoder"]
@@ -438,8 +438,6 @@ def write_tiny_release(folder: str | os.PathLike) -> None:
 
 def _write_tiny_refiner(folder: Path, spec: dict[str, Any]) -> None:
     """refiner/config.json (our schema) and refiner/model.safetensors (random weights)."""
-    from headmoe.models.refiner import get_refiner_config, write_random_refiner
-
     folder.mkdir(parents=True, exist_ok=True)
     cfg = get_refiner_config(spec["preset"])
     with open(folder / MODEL_CONFIG, "w") as f:

@@ -35,32 +35,26 @@ import torch.distributed as dist
 
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.launch import torchrun_env
+from headmoe.distributed.topology import is_output_coords
 from headmoe.pipeline.health import IMAGE_ENCODER_HINT, check_media
+from headmoe.pipeline.image import ReferenceImage
+from headmoe.pipeline.latents import latent_shape
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
-from headmoe.release import audio_vae, video_latents
+from headmoe.release import audio_vae, text_encoder, turbo_vae, video_latents, wan_vae
+from headmoe.release.folder import Release
+from headmoe.release.text_encoder import Qwen35TextEncoder
+from headmoe.release.turbo_vae import TurboVideoDecoder
+from headmoe.release.wan_vae import WanImageEncoder, WanVideoDecoder
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-    from headmoe.distributed.topology import Coords
-    from headmoe.pipeline.image import ReferenceImage
-    from headmoe.release.folder import Release
-    from headmoe.release.text_encoder import Qwen35TextEncoder
-    from headmoe.release.turbo_vae import TurboVideoDecoder
-    from headmoe.release.wan_vae import WanImageEncoder, WanVideoDecoder
 
 HOST = torch.device("cpu")
 OK, FAILED = 0, 1
 
 
-def is_output_coords(coords: Coords) -> bool:
-    """The writer of its DP group: the rank at SP and CFG coordinates 0 (the one home of
-    this rule: the job, the placement of the decoders and the planner ask it)."""
-    return (coords.sp, coords.cfg) == (0, 0)
-
-
 def is_output_rank(ctx: ParallelContext) -> bool:
-    """`is_output_coords` of this rank."""
+    """`headmoe.distributed.topology.is_output_coords` of this rank."""
     return is_output_coords(ctx.coords)
 
 
@@ -230,8 +224,6 @@ def node_text_encoder(ctx: ParallelContext, release: Release, timeout: timedelta
     """The release's text encoder for this rank: loaded (`Qwen35TextEncoder.from_folder`,
     its model dtype, on the device or the host when offloading) on the node's first rank
     only; the node group created when the world spans several nodes."""
-    from headmoe.release import text_encoder
-
     src, size = node_of(ctx, node_size)
     group = node_group(ctx, size, timeout)
     encoder = None
@@ -291,8 +283,6 @@ def world_image_encoder(ctx: ParallelContext, release: Release) -> WorldImageEnc
         return None
     encoder = None
     if ctx.rank == IMAGE_RANK:
-        from headmoe.release import wan_vae
-
         encoder = wan_vae.WanImageEncoder(wan_vae.load_wan_encoder(
             release.image_encoder, dtype=torch.float32,
             device=load_device(ctx.device, release.offload)))
@@ -316,7 +306,7 @@ class OutputVideoDecoder:
         self.kind, self.decoder, self.placed = kind, decoder, placed
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        return video_latents.latent_shape(num_frames, height, width)
+        return latent_shape(num_frames, height, width)
 
     def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
         """``[T, H, W, 48]`` fp32 -> ``[num_frames, 16 H, 16 W, 3]`` uint8."""
@@ -333,14 +323,10 @@ def output_video_decoder(ctx: ParallelContext, release: Release) -> OutputVideoD
         return OutputVideoDecoder(kind)
     dtype, where = video_dtype(ctx.device), load_device(ctx.device, release.offload)
     if kind == "turbo":
-        from headmoe.release import turbo_vae
-
         dec = turbo_vae.TurboVideoDecoder(
             turbo_vae.load_turbo_vae(release.video_decoder_path, dtype=dtype, device=where))
         module = dec.model
     else:
-        from headmoe.release import wan_vae
-
         dec = wan_vae.WanVideoDecoder(
             wan_vae.load_wan_vae(release.video_decoder_path, dtype=dtype, device=where))
         module = dec.vae

@@ -17,8 +17,8 @@ import math
 
 import torch
 
+from headmoe.pipeline.latents import SPATIAL_STRIDE, TEMPORAL_STRIDE, latent_shape
 from headmoe.release.audio_vae import LATENT_FPS, OUTPUT_SAMPLE_RATE, audio_latent_length
-from headmoe.release.video_latents import SPATIAL_STRIDE, TEMPORAL_STRIDE, latent_shape
 
 TEXT_SEED, VIDEO_SEED, AUDIO_SEED = 1001, 1002, 1003
 
@@ -64,7 +64,7 @@ class TinyVideoDecoder:
         )
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """The decoders' one rule, `video_latents.latent_shape`."""
+        """The decoders' one rule, `headmoe.pipeline.latents.latent_shape`."""
         return latent_shape(num_frames, height, width)
 
     def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from headmoe.files import check_entries, confined_file, index_map, read_json
+from headmoe.pipeline.i2v import figure_token_indices
 from headmoe.pipeline.prompts import add_released_split, normalize_prompt
 from headmoe.pipeline.released import MAX_TEXT_TOKENS
 from headmoe.release.weights import check_tensors, open_safetensors
@@ -278,8 +279,6 @@ class Qwen35TextEncoder:
         """Indices of the tokens that spell the ``<Figure 1>`` marker in ``text`` as
         `tokenize` reads it (`i2v.figure_token_indices` over the tokenizer's character
         offsets into ``normalize_prompt(text)``), less any that truncation drops."""
-        from headmoe.pipeline.i2v import figure_token_indices
-
         seen = normalize_prompt(text)
         offsets = self.tokenizer(seen, return_offsets_mapping=True)["offset_mapping"]
         return [i for i in figure_token_indices(seen, offsets) if i < self.max_tokens]

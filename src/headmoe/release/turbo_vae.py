@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headmoe.files import read_json
+from headmoe.pipeline.latents import latent_shape
 from headmoe.release import video_latents
 from headmoe.release.weights import check_tensors, read_tensors
 
@@ -443,7 +444,7 @@ class TurboVideoDecoder:
         return cls(load_turbo_vae(folder, dtype=dtype))
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        return video_latents.latent_shape(num_frames, height, width)
+        return latent_shape(num_frames, height, width)
 
     def decode(self, latents: torch.Tensor, num_frames: int) -> torch.Tensor:
         z = video_latents.protocol_latents(latents)

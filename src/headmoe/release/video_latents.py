@@ -1,5 +1,8 @@
 """MAGI-2's video latent space: the 48-channel Wan2.2 statistics and the pixel conversion.
 
+The latent geometry (strides, ``4k+1`` frames, sides of 16, latent shapes) is the
+pipeline's, `headmoe.pipeline.latents`.
+
 Both video decoders (TurboV3 and the full Wan2.2 VAE) read *de-normalised* latents,
 ``z * std + mean`` per channel, and produce pixels in about [-1, 1].
 
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from headmoe.config import is_int
 from headmoe.pipeline.health import DECODER_HINT, check_media
 
 WAN22_LATENT_MEAN = (
@@ -34,8 +36,6 @@ WAN22_LATENT_STD = (
     0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744,
 )  # fmt: skip
 LATENT_CHANNELS = 48
-#: output frames per latent frame after the first, and pixels per latent side
-TEMPORAL_STRIDE, SPATIAL_STRIDE = 4, 16
 
 
 def latent_stats() -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,47 +88,6 @@ def frames_to_uint8(frames: torch.Tensor) -> torch.Tensor:
     check_media("after decoding", DECODER_HINT, **{"decoded video": frames[:1]})
     video = frames[:1].float().mul(0.5).add(0.5).clamp(0, 1)
     return video.permute(0, 2, 3, 4, 1).mul(255).to(torch.uint8)[0]
-
-
-def check_side(name: str, value: int) -> int:
-    """``value`` if it is a positive multiple of 16 (a latent is 16x16 pixels), else a
-    `ValueError` whose message starts with ``name=value``."""
-    if not is_int(value) or value < SPATIAL_STRIDE or value % SPATIAL_STRIDE:
-        near = max(SPATIAL_STRIDE, round(value / SPATIAL_STRIDE) * SPATIAL_STRIDE) \
-            if is_int(value) else SPATIAL_STRIDE
-        raise ValueError(f"{name}={value!r} must be a positive multiple of {SPATIAL_STRIDE}, "
-                         f"e.g. {near}")
-    return value
-
-
-def check_frames(num_frames: int) -> int:
-    """``num_frames`` if it is ``4k+1`` (the decoders make the first frame, then 4 per
-    latent), else a `ValueError` whose message starts with ``num_frames=value``."""
-    if is_int(num_frames) and num_frames >= 1 and (num_frames - 1) % TEMPORAL_STRIDE == 0:
-        return num_frames
-    if not is_int(num_frames) or num_frames < 1:
-        near = [1]
-    else:
-        low = (num_frames - 1) // TEMPORAL_STRIDE * TEMPORAL_STRIDE + 1
-        near = [low, low + TEMPORAL_STRIDE]
-    raise ValueError(f"num_frames={num_frames!r} must be of the form 4k+1 (the video "
-                     f"decoders make 1 + 4k frames), use {' or '.join(map(str, near))}")
-
-
-def latent_shape(num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-    """``(T_lat, H_lat, W_lat)`` for the video decoders (the release's and the stand-in):
-    ``T_lat`` latent frames give ``4 T_lat - 3`` frames, so ``num_frames`` must be ``4k+1``
-    (`check_frames`), and each latent is 16x16 pixels (`check_side`)."""
-    check_side("height", height)
-    check_side("width", width)
-    check_frames(num_frames)
-    return ((num_frames - 1) // TEMPORAL_STRIDE + 1, height // SPATIAL_STRIDE,
-            width // SPATIAL_STRIDE)
-
-
-def frame_count(latent_frames: int) -> int:
-    """Frames decoded from ``latent_frames`` latents: ``4 (T - 1) + 1``."""
-    return TEMPORAL_STRIDE * (latent_frames - 1) + 1
 
 
 def protocol_latents(latents: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,13 @@ sampling), normalised with the same statistics (`video_latents.normalize`).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
 import torch
 
+from headmoe.pipeline.latents import latent_shape
 from headmoe.release import video_latents
 from headmoe.release.weights import check_tensors, read_tensors
 
@@ -255,8 +257,6 @@ def build_tiny_wan_vae(
     plain state dict in the original key layout, that `load_wan_vae` reads without a config.
     Deterministic; returns the folder. Weights: conv N(0, 1/fan_in) (``residual.6`` and the
     attention ``proj`` x0.5), RMSNorm gammas 1, biases N(0, 0.05^2)."""
-    import math
-
     folder = os.fspath(folder)
     cfg = dict(RELEASED_CONFIG, base_dim=base_dim, decoder_base_dim=decoder_base_dim)
     gen = torch.Generator().manual_seed(seed)
@@ -286,7 +286,7 @@ class WanVideoDecoder:
         self.vae = vae
 
     def latent_shape(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        return video_latents.latent_shape(num_frames, height, width)
+        return latent_shape(num_frames, height, width)
 
     @torch.no_grad()
     def decode_frames(self, z: torch.Tensor) -> torch.Tensor:

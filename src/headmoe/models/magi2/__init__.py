@@ -1,5 +1,6 @@
 """MAGI-2 transformer (headmoe.models.magi2): configs, packing, model, checkpoint loading."""
 
+from headmoe.distributed.sharding import sp_token_counts
 from headmoe.models.magi2.config import (
     MODALITIES,
     PRESETS,
@@ -17,7 +18,7 @@ from headmoe.models.magi2.loading import (
     spec_digest,
     write_random_checkpoint,
 )
-from headmoe.models.magi2.model import Magi2Transformer, sp_token_counts
+from headmoe.models.magi2.model import Magi2Transformer
 from headmoe.models.magi2.packing import (
     BranchInput,
     BranchOutput,

@@ -42,7 +42,7 @@ from headmoe.models.streaming import (
     split_layers,
 )
 from headmoe.moe import MultiHeadMoE, read_moe_rows
-from headmoe.moe.checkpoint import MOE_ROW_TENSORS
+from headmoe.moe.weights import Bf16Experts
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: the most checkpoint bytes a loader reads into host memory at once before copying them to
@@ -305,7 +305,7 @@ def layer_reads(model: Magi2Transformer, layer_id: int, prefix: str = "") -> lis
         if moe is not None and name.startswith(at + "."):
             local = name[len(at) + 1 :]
             key = f"{at}.{moe.source_name(local)}"
-            if local in MOE_ROW_TENSORS:
+            if local in moe.row_tensors:
                 rows = (moe.row_start, moe.row_stop)
         reads.append(TensorRead(name, base + key, rows))
     return reads
@@ -354,7 +354,7 @@ def _random_tensor(
         x = 0.1 * x
     elif "mhc_phi" in name or leaf == "sinks":
         pass  # x Phi with x RMS-normalised: unit-scale logits before the 1/sqrt(V) scale
-    elif leaf in ("W_gate", "W_up", "W_down"):
+    elif leaf in Bf16Experts.NAMES:
         x = x / shape[1] ** 0.5  # [rows, in, out]
     else:  # linears [out, in] and the router gate [rows, d_head]
         x = x / shape[-1] ** 0.5

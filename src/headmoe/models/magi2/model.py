@@ -32,7 +32,7 @@ in the model dtype; the state S between layers and the branch inputs u in the mo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,19 +42,17 @@ from headmoe.config import DTYPES
 from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.exchange import (
     ExchangeWorkspace,
-    gather_rows,
     ulysses_heads_to_seq,
     ulysses_qkv_to_heads,
 )
-from headmoe.distributed.schedule import ForwardSchedule
-from headmoe.distributed.sharding import sp_rows, sp_token_counts
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.attention import segment_attention
 from headmoe.layers.linear import Linear, ModalityLinear
 from headmoe.layers.mhc import mhc_input, mhc_mix, mhc_update
 from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
-from headmoe.layers.rope import apply_rope, default_bands, rope_table, split_table
-from headmoe.models.magi2.config import AUDIO, MODALITIES, VIDEO, Magi2Config
+from headmoe.layers.rope import apply_rope, default_bands
+from headmoe.models.common import PlannedModel, RowPlan, embed_rows, row_plan_fields, sp_counts
+from headmoe.models.magi2.config import AUDIO, VIDEO, Magi2Config
 from headmoe.models.magi2.config import validate_parallel as _validate_parallel
 from headmoe.models.magi2.packing import (
     BranchInput,
@@ -65,29 +63,15 @@ from headmoe.models.magi2.packing import (
 )
 from headmoe.models.magi2.schedule import forward_schedule
 from headmoe.moe import MoEConfig, MultiHeadMoE
+from headmoe.moe.weights import Bf16Experts, ExpertWeights
 
 
-@dataclass
-class ForwardPlan:
-    """Host-side facts of one forward on this rank, computed once and shared by all layers.
+@dataclass(frozen=True)
+class ForwardPlan(RowPlan):
+    """The `RowPlan` of one MAGI-2 forward on this rank, plus `segments`: each packed
+    segment's global `(start, stop)`."""
 
-    counts: SP token counts in SP order; lo/hi: this rank's global rows; segments: each
-    segment's global `(start, stop)`; modality `[T_local]` int64; groups[m]: local rows of
-    modality m; cos/sin `[T_local, 3B]` fp32 (on the model's device)."""
-
-    counts: tuple[int, ...]
-    lo: int
-    hi: int
     segments: list[tuple[int, int]]
-    modality: torch.Tensor
-    groups: list[torch.Tensor]
-    cos: torch.Tensor
-    sin: torch.Tensor
-    schedule: ForwardSchedule
-
-    @property
-    def local_tokens(self) -> int:
-        return self.hi - self.lo
 
 
 class Attention(nn.Module):
@@ -126,21 +110,19 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
         return torch.stack([q, k, v], dim=1).to(self.dtype)
 
-    def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` (model dtype) -> `[T_local, C]` fp32."""
-        t = u.shape[0]
+        t, par = u.shape[0], plan.parallel
         x = self.pre_norm(u, plan.modality)
         gate = self.linear_g(x, plan.groups)
         qkv = self._qkv(x, plan)
-        sp = ctx.config.ulysses_degree
-        local = self.hq // sp
-        if sp > 1:
-            qkv = ulysses_qkv_to_heads(qkv, ctx.group("sp"), plan.counts, counters=ctx.counters)
-        first = ctx.coords.sp * local
+        if par.sp > 1:
+            qkv = ulysses_qkv_to_heads(qkv, par.sp_group, par.counts, counters=par.counters)
+        first, local = par.heads(self.hq)
         sinks = self.sinks[0, first : first + local]
         o = segment_attention(qkv, plan.segments, sinks, 1.0 / math.sqrt(self.head_dim))
-        if sp > 1:
-            o = ulysses_heads_to_seq(o, ctx.group("sp"), plan.counts, counters=ctx.counters)
+        if par.sp > 1:
+            o = ulysses_heads_to_seq(o, par.sp_group, par.counts, counters=par.counters)
         o = o.float() * sigmoid(gate)[:, :, None]
         return self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups)
 
@@ -157,7 +139,7 @@ class DenseMLP(nn.Module):
         self.up_gate_proj = ModalityLinear(m, c, 2 * i, dtype)
         self.down_proj = ModalityLinear(m, i, c, dtype)
 
-    def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
         return self.down_proj(swiglu7(self.up_gate_proj(n, plan.groups)), plan.groups)
@@ -175,6 +157,7 @@ class MoEMLP(nn.Module):
     def __init__(
         self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext,
         workspace: ExchangeWorkspace | None = None,
+        experts: type[ExpertWeights] = Bf16Experts,
     ) -> None:
         super().__init__()
         c, m = config.hidden_size, config.num_modalities
@@ -191,6 +174,7 @@ class MoEMLP(nn.Module):
             ),
             context,
             workspace,
+            experts=experts(),
         )
         self.merge_linear = Linear(config.moe_hidden_size, c, dtype=dtype)
         self.shared_expert_fc1 = Linear(c, 2 * s, dtype=dtype)
@@ -198,11 +182,11 @@ class MoEMLP(nn.Module):
         self.modality_specific_shared_expert_fc1 = ModalityLinear(m, c, 2 * sm, dtype)
         self.modality_specific_shared_expert_fc2 = ModalityLinear(m, sm, c, dtype)
 
-    def forward(self, u: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
         z = self.split_linear(n).to(self.dtype)
-        moe = self.moe_mlp(z, token_counts=plan.counts, dispatch=plan.schedule.moe_dispatch)
+        moe = self.moe_mlp(z, plan.parallel)
         routed = self.merge_linear(moe)
         shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n)))
         h = self.modality_specific_shared_expert_fc1(n, plan.groups)
@@ -220,7 +204,7 @@ class Magi2Layer(nn.Module):
 
     def __init__(
         self, config: Magi2Config, layer_id: int, dtype: torch.dtype, context: ParallelContext,
-        workspace: ExchangeWorkspace,
+        workspace: ExchangeWorkspace, experts: type[ExpertWeights] = Bf16Experts,
     ) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
@@ -239,7 +223,7 @@ class Magi2Layer(nn.Module):
         self.attention = Attention(config, dtype, sets)
         self.mlp = (
             DenseMLP(config, dtype) if self.multimodal
-            else MoEMLP(config, dtype, context, workspace)
+            else MoEMLP(config, dtype, context, workspace, experts)
         )
         self.mhc_norm = ModalityRMSNorm(sets, v, config.norm_eps)
 
@@ -249,9 +233,7 @@ class Magi2Layer(nn.Module):
             return w
         return w.view(self.config.num_modalities, -1)[plan.modality]
 
-    def forward(
-        self, state: torch.Tensor, plan: ForwardPlan, ctx: ParallelContext
-    ) -> torch.Tensor:
+    def forward(self, state: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """state `[T_local, n, C]` (model dtype) -> `[T_local, n, C]` (model dtype)."""
         cfg = self.config
         norm_weight = self._norm_weight(plan)
@@ -263,7 +245,7 @@ class Magi2Layer(nn.Module):
                       for k in ("pre", "post", "res")),
                 iters=cfg.mhc_sinkhorn_iters, eps=cfg.mhc_eps, norm_eps=cfg.norm_eps,
             )
-            y = fn(mhc_input(state, mix, self.dtype), plan, ctx)
+            y = fn(mhc_input(state, mix, self.dtype), plan)
             state = mhc_update(state, mix, y.to(self.dtype), self.dtype)
         return state
 
@@ -273,17 +255,20 @@ class Block(nn.Module):
     layers run one after another and share one `ExchangeWorkspace` for their all-to-alls
     (each MoE output is consumed by its merge linear before the next MoE layer runs)."""
 
-    def __init__(self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext):
+    def __init__(self, config: Magi2Config, dtype: torch.dtype, context: ParallelContext,
+                 experts: type[ExpertWeights] = Bf16Experts):
         super().__init__()
         self.exchange_workspace = ExchangeWorkspace()
         self.layers = nn.ModuleList(
-            Magi2Layer(config, i, dtype, context, self.exchange_workspace)
+            Magi2Layer(config, i, dtype, context, self.exchange_workspace, experts)
             for i in range(config.num_layers)
         )
 
 
 class Rope(nn.Module):
     """`bands` `[B]` fp32 buffer (checkpoint `pre_adapter.rope.bands`)."""
+
+    bands: torch.Tensor
 
     def __init__(self, bands: int) -> None:
         super().__init__()
@@ -321,16 +306,18 @@ class PostAdapter(nn.Module):
         self.final_linear_audio = Linear(v, config.audio_in_channels)
 
 
-class Magi2Transformer(nn.Module):
+class Magi2Transformer(PlannedModel[ForwardPlan]):
     """The MAGI-2 transformer, sharded by the given `ParallelContext`.
 
     `dtype` (fp32 or bf16) is the dtype of the linears and experts and of the state between
-    layers; see the module docstring for the rest. Parameters start at zeros (identity
-    norms); load weights with `load_checkpoint`. Inference only."""
+    layers; see the module docstring for the rest. `experts`: the routed experts' weight
+    format (`headmoe.moe.weights.ExpertWeights`; the released `Bf16Experts` by default).
+    Parameters start at zeros (identity norms); load weights with `load_checkpoint`.
+    Inference only."""
 
     def __init__(
         self, config: Magi2Config, context: ParallelContext | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype = torch.float32, experts: type[ExpertWeights] = Bf16Experts,
     ) -> None:
         super().__init__()
         if dtype not in DTYPES.values():
@@ -340,7 +327,7 @@ class Magi2Transformer(nn.Module):
         self.config, self.context, self.dtype = config, context, dtype
         self.pre_adapter = PreAdapter(config)
         self.post_adapter = PostAdapter(config)
-        self.block = Block(config, dtype, context)
+        self.block = Block(config, dtype, context, experts)
 
     @property
     def out_width(self) -> int:
@@ -353,15 +340,13 @@ class Magi2Transformer(nn.Module):
         collective). Raises `ValueError` naming the bad field."""
         packed.validate(self.config)
         ctx = self.context
-        counts = sp_token_counts(packed.num_tokens, ctx.config.ulysses_degree)
-        lo, hi = sp_rows(counts, ctx.coords.sp)
-        dev = self.pre_adapter.video_embedder.weight.device
-        modality = packed.modality[lo:hi]
-        groups = [torch.nonzero(modality == m).flatten().to(dev) for m in range(len(MODALITIES))]
-        cos, sin = split_table(rope_table(packed.coords[lo:hi], self.pre_adapter.rope.bands.cpu()))
+        counts = sp_counts(ctx, packed.num_tokens)
         schedule = forward_schedule(self.config, ctx.topology, ctx.coords, counts)
-        return ForwardPlan(counts, lo, hi, packed.segments(), modality.to(dev), groups,
-                           cos.to(dev), sin.to(dev), schedule)
+        fields = row_plan_fields(ctx, counts, packed.modality, packed.coords,
+                                 self.pre_adapter.rope.bands,
+                                 self.pre_adapter.video_embedder.weight.device, schedule,
+                                 schedule.moe_dispatch)
+        return ForwardPlan(**fields, segments=packed.segments())
 
     # ------------------------------------------------------------------ forward
     def _embed(self, packed: PackedInputs, plan: ForwardPlan) -> torch.Tensor:
@@ -369,11 +354,7 @@ class Magi2Transformer(nn.Module):
         cfg = self.config
         dev = self.pre_adapter.video_embedder.weight.device
         x = packed.x[plan.lo : plan.hi].to(dev)
-        out = torch.zeros(plan.local_tokens, cfg.mhc_width, device=dev)
-        for m, embedder in enumerate(self.pre_adapter.embedders()):
-            rows = plan.groups[m]
-            if rows.numel():
-                out[rows] = embedder(x[rows, : embedder.weight.shape[1]])
+        out = embed_rows(self.pre_adapter.embedders(), x, plan.groups, cfg.mhc_width)
         state = out.to(self.dtype)
         state[:, : cfg.time_embed_dim] = packed.time_tokens[plan.lo : plan.hi].to(dev)
         return state.view(plan.local_tokens, cfg.mhc_streams, cfg.hidden_size)
@@ -390,10 +371,16 @@ class Magi2Transformer(nn.Module):
                 local[rows, : lin.weight.shape[0]] = lin(norm(h[rows]))
         return local
 
-    def _gather(self, local: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
-        """Every SP rank's `[count_r, P]` rows -> the full `[T, P]` (`gather_rows`)."""
-        group = self.context.group("sp") if self.context.config.ulysses_degree > 1 else None
-        return gather_rows(local, group, plan.counts, counters=self.context.counters)
+    def _layers(self) -> Iterable[nn.Module]:
+        return self.block.layers
+
+    def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor,
+                  plan: ForwardPlan) -> None:
+        trace["block_in"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
+
+    def _trace_layer(self, trace: dict[str, torch.Tensor], i: int, out: torch.Tensor,
+                     plan: ForwardPlan) -> None:
+        trace[f"layer{i}_out"] = out.reshape(plan.local_tokens, self.config.mhc_width).float()
 
     @torch.no_grad()
     def forward_packed(
@@ -404,19 +391,9 @@ class Magi2Transformer(nn.Module):
         packed: identical on every rank of this SP group (host tensors). Returns the full
         `[T, out_width]` fp32 prediction on every SP rank (columns 0..47 on video rows,
         0..63 on audio rows, zeros on text rows). `trace`, when given, receives this rank's
-        rows (sequence order, fp32 `[T_local, V]`) of `block_in` and `layer{i}_out`."""
-        plan = self.plan(packed)
-        issued = len(self.context.counters.exchanges)
-        state = self._embed(packed, plan)
-        if trace is not None:
-            trace["block_in"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
-        for i, layer in enumerate(self.block.layers):
-            state = layer(state, plan, self.context)
-            if trace is not None:
-                trace[f"layer{i}_out"] = state.reshape(plan.local_tokens, self.config.mhc_width).float()
-        out = self._gather(self._post(state, plan), plan)
-        plan.schedule.check_executed(self.context.counters.exchanges[issued:])
-        return out
+        rows (sequence order, fp32 `[T_local, V]`) of `block_in` and `layer{i}_out`. The
+        collectives it issues are checked against its `forward_schedule`."""
+        return self.run_planned(packed, trace)
 
     def forward(self, branches: Sequence[BranchInput]) -> list[BranchOutput]:
         """Velocity predictions of the CFG branches this rank's SP group runs (identical on

@@ -5,10 +5,10 @@ SP token counts only. The model executes it; the planner predicts from it."""
 from __future__ import annotations
 
 from headmoe.distributed.schedule import Collective, Exchange, ForwardSchedule
-from headmoe.distributed.sharding import DispatchPlan, HeadShard, dispatch_plan, head_shard
+from headmoe.distributed.sharding import DispatchPlan, HeadShard, head_shard
 from headmoe.distributed.topology import Coords, Topology
 from headmoe.models.magi2.config import Magi2Config
-from headmoe.moe.layer import EXPERTS_BATCH_INVARIANT
+from headmoe.moe.layer import moe_dispatch
 
 
 def forward_schedule(
@@ -23,8 +23,7 @@ def forward_schedule(
     shard = head_shard(config.moe_num_heads, e, coords.ep)
     dispatch = None
     if config.moe_layer_ids:
-        dispatch = dispatch_plan(topo.config.moe_exchange, counts, coords.sp, e,
-                                 EXPERTS_BATCH_INVARIANT)
+        dispatch = moe_dispatch(topo.config, coords, e, counts)
     moe_group = 1 if dispatch is None else len(dispatch.token_counts)
     moe = dict(axis=dispatch.axis if dispatch else "ep",
                token_counts=dispatch.token_counts if dispatch else counts,

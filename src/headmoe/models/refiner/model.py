@@ -30,6 +30,7 @@ the bits of one rank (tests/models/test_refiner_multirank.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -37,46 +38,37 @@ from torch import nn
 
 from headmoe.config import DTYPES
 from headmoe.distributed.context import ParallelContext
-from headmoe.distributed.exchange import gather_rows, ulysses_heads_to_seq, ulysses_seq_to_heads
-from headmoe.distributed.sharding import sp_rows, sp_token_counts
+from headmoe.distributed.exchange import ulysses_heads_to_seq, ulysses_seq_to_heads
+from headmoe.distributed.sharding import sp_kv_heads
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.linear import ModalityLinear
 from headmoe.layers.norms import ModalityRMSNorm
 from headmoe.layers.range_attention import RangePlan, range_attention
-from headmoe.layers.rope import apply_rope, rope_table, split_table
-from headmoe.models.magi2.config import MODALITIES, VIDEO
+from headmoe.layers.rope import apply_rope
+from headmoe.models.common import (
+    PlannedModel,
+    RowPlan,
+    embed_rows,
+    modality_groups,
+    row_plan_fields,
+    sp_counts,
+)
+from headmoe.models.magi2.config import VIDEO
 from headmoe.models.magi2.model import PostAdapter, PreAdapter
 from headmoe.models.refiner.config import Magi2RefinerConfig, validate_parallel
 from headmoe.models.refiner.packing import RefinerPacked, attention_plan, pack_refiner, unpack_video
-from headmoe.models.streaming import present
+from headmoe.models.refiner.schedule import refiner_schedule
 
 #: rows of the MLP processed at once (bounds the fp32 [rows, 2I] temporaries: 16,384 rows
 #: of the released refiner hold 1.3 GiB of up_gate output in fp32)
 MLP_CHUNK_ROWS = 16384
 
 
-@dataclass
-class RefinerPlan:
-    """Host-side facts of one forward on this rank: SP `counts`, this rank's rows
-    [lo, hi), `modality` `[N_local]` int64 and `groups[m]` (local rows of modality m) on
-    the model's device, rotary cos/sin `[N_local, 3B]` fp32, the attention `RangePlan`."""
+@dataclass(frozen=True)
+class RefinerPlan(RowPlan):
+    """The `RowPlan` of one refiner forward on this rank, plus the attention `RangePlan`."""
 
-    counts: tuple[int, ...]
-    lo: int
-    hi: int
-    modality: torch.Tensor
-    groups: list[torch.Tensor]
-    cos: torch.Tensor
-    sin: torch.Tensor
     attn: RangePlan
-
-    @property
-    def local_tokens(self) -> int:
-        return self.hi - self.lo
-
-
-def _groups(modality: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.nonzero(modality == m).flatten() for m in range(len(MODALITIES))]
 
 
 class RefinerAttention(nn.Module):
@@ -109,11 +101,13 @@ class RefinerAttention(nn.Module):
         k = apply_rope(self.k_norm(k, plan.modality), plan.cos, plan.sin)
         return q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)
 
-    def _attend(self, q, k, v, plan: RefinerPlan, ctx: ParallelContext) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: RefinerPlan
+                ) -> torch.Tensor:
         """Ulysses in, attention on this rank's heads, Ulysses out: `[N_local, Hq, D]`.
         q, k and v travel in one all-to-all, each rank's heads side by side; KV heads are
-        repeated to Hq first when the SP degree does not divide Hkv."""
-        sp = ctx.config.ulysses_degree
+        repeated to Hq first when the SP degree does not divide Hkv (`sp_kv_heads`)."""
+        par = plan.parallel
+        sp = par.sp
         scale = 1.0 / math.sqrt(self.head_dim)
         if sp == 1:
             return range_attention(q, k, v, plan.attn, scale)
@@ -121,21 +115,20 @@ class RefinerAttention(nn.Module):
         if self.hkv % sp:
             k = k.repeat_interleave(self.hq // self.hkv, 1)
             v = v.repeat_interleave(self.hq // self.hkv, 1)
-        lq, lk = self.hq // sp, k.shape[1] // sp
+        lq, lk = par.heads(self.hq)[1], sp_kv_heads(self.hq, self.hkv, sp)
         packed = torch.cat([q.view(n, sp, lq, d), k.view(n, sp, lk, d), v.view(n, sp, lk, d)], 2)
-        group = ctx.group("sp")
-        heads = ulysses_seq_to_heads(packed.view(n, sp * (lq + 2 * lk), d), group, plan.counts,
-                                     counters=ctx.counters)
+        heads = ulysses_seq_to_heads(packed.view(n, sp * (lq + 2 * lk), d), par.sp_group,
+                                     par.counts, counters=par.counters)
         o = range_attention(heads[:, :lq], heads[:, lq : lq + lk], heads[:, lq + lk :],
                             plan.attn, scale)
-        return ulysses_heads_to_seq(o, group, plan.counts, counters=ctx.counters)
+        return ulysses_heads_to_seq(o, par.sp_group, par.counts, counters=par.counters)
 
-    def forward(self, h: torch.Tensor, plan: RefinerPlan, ctx: ParallelContext) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, plan: RefinerPlan) -> torch.Tensor:
         """h `[N_local, C]` residual -> the branch `[N_local, C]` in dtype."""
         a = self.pre_norm(h, plan.modality)
         gate = self.linear_g(a, plan.groups)
         q, k, v = self._qkv(a, plan)
-        o = self._attend(q, k, v, plan, ctx)
+        o = self._attend(q, k, v, plan)
         o = o.float() * sigmoid(gate)[:, :, None]
         out = self.linear_proj(o.reshape(h.shape[0], self.hq * self.head_dim), plan.groups)
         return out.to(self.dtype)
@@ -160,26 +153,37 @@ class RefinerMLP(nn.Module):
             b = min(a + chunk_rows, h.shape[0])
             mod = plan.modality[a:b]
             u = self.pre_norm(h[a:b], mod)
-            groups = _groups(mod)
+            groups = modality_groups(mod)
             out[a:b] += self.down_proj(swiglu7(self.up_gate_proj(u, groups)), groups)
         return out
 
 
 class RefinerLayer(nn.Module):
-    def __init__(self, config: Magi2RefinerConfig, layer_id: int, dtype: torch.dtype):
+    """Pre-norm attention then the MLP; `chunk_rows` bounds the MLP's fp32 temporaries."""
+
+    def __init__(self, config: Magi2RefinerConfig, layer_id: int, dtype: torch.dtype,
+                 chunk_rows: int = 0):
         super().__init__()
         sets = config.num_modalities if layer_id in config.multimodal_layers else 1
         self.attention = RefinerAttention(config, dtype, sets)
         self.mlp = RefinerMLP(config, dtype, sets)
+        self.chunk_rows = chunk_rows
+
+    def forward(self, h: torch.Tensor, plan: RefinerPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """h `[N_local, C]` residual -> `(residual after the layer, attention branch)`, both
+        `[N_local, C]` (the residual dtype follows the module docstring's promotion)."""
+        attn = self.attention(h, plan)
+        return self.mlp.add_to(h + attn, plan, self.chunk_rows), attn
 
 
 class RefinerBlock(nn.Module):
-    def __init__(self, config: Magi2RefinerConfig, dtype: torch.dtype):
+    def __init__(self, config: Magi2RefinerConfig, dtype: torch.dtype, chunk_rows: int = 0):
         super().__init__()
-        self.layers = nn.ModuleList(RefinerLayer(config, i, dtype) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(RefinerLayer(config, i, dtype, chunk_rows)
+                                    for i in range(config.num_layers))
 
 
-class Magi2Refiner(nn.Module):
+class Magi2Refiner(PlannedModel[RefinerPlan]):
     """The refiner, sharded by the given `ParallelContext` (Ulysses SP; CFG and DP only
     choose which forwards a rank runs). `dtype` (fp32 or bf16) is the dtype of the layer
     linears. Parameters start at zeros; load weights with `load_refiner`. Inference only.
@@ -197,7 +201,7 @@ class Magi2Refiner(nn.Module):
         self.config, self.context, self.dtype = config, context, dtype
         self.mlp_chunk_rows = mlp_chunk_rows
         self.pre_adapter = PreAdapter(config, width=config.hidden_size)
-        self.block = RefinerBlock(config, dtype)
+        self.block = RefinerBlock(config, dtype, mlp_chunk_rows)
         self.post_adapter = PostAdapter(config, width=config.hidden_size)
 
     @property
@@ -206,24 +210,18 @@ class Magi2Refiner(nn.Module):
 
     def plan(self, packed: RefinerPacked) -> RefinerPlan:
         """This rank's `RefinerPlan` (host arithmetic, no collective)."""
-        ctx, dev = self.context, self.device
-        counts = sp_token_counts(packed.num_tokens, ctx.config.ulysses_degree)
-        lo, hi = sp_rows(counts, ctx.coords.sp)
-        modality = packed.modality[lo:hi].to(dev)
-        table = rope_table(packed.coords[lo:hi], self.pre_adapter.rope.bands.cpu())
-        cos, sin = split_table(table)
-        return RefinerPlan(counts, lo, hi, modality, _groups(modality), cos.to(dev),
-                           sin.to(dev), attention_plan(packed))
+        ctx = self.context
+        counts = sp_counts(ctx, packed.num_tokens)
+        schedule = refiner_schedule(self.config, ctx.topology, ctx.coords, counts)
+        fields = row_plan_fields(ctx, counts, packed.modality, packed.coords,
+                                 self.pre_adapter.rope.bands, self.device, schedule)
+        return RefinerPlan(**fields, attn=attention_plan(packed))
 
     def _embed(self, packed: RefinerPacked, plan: RefinerPlan) -> torch.Tensor:
         """This rank's residual `[N_local, C]` in dtype."""
         x = packed.x[plan.lo : plan.hi].to(self.device)
-        out = torch.zeros(plan.local_tokens, self.config.hidden_size, device=self.device)
-        for m, embedder in enumerate(self.pre_adapter.embedders()):
-            rows = plan.groups[m]
-            if rows.numel():
-                out[rows] = embedder(x[rows, : embedder.weight.shape[1]])
-        return out.to(self.dtype)
+        return embed_rows(self.pre_adapter.embedders(), x, plan.groups,
+                          self.config.hidden_size).to(self.dtype)
 
     def _post(self, h: torch.Tensor, plan: RefinerPlan) -> torch.Tensor:
         """`[N_local, C]` -> `[N_local, C_video]` fp32 (rows of other modalities zero)."""
@@ -234,6 +232,17 @@ class Magi2Refiner(nn.Module):
             out[rows] = post.final_linear_video(post.final_norm_video(h[rows]))
         return out
 
+    def _layers(self) -> Iterable[nn.Module]:
+        return self.block.layers
+
+    def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor,
+                  plan: RefinerPlan) -> None:
+        trace["embed"] = state.clone()
+
+    def _trace_layer(self, trace: dict[str, torch.Tensor], i: int,
+                     out: tuple[torch.Tensor, torch.Tensor], plan: RefinerPlan) -> None:
+        trace[f"layer{i}_attn"], trace[f"layer{i}_out"] = out[1].clone(), out[0].clone()
+
     @torch.no_grad()
     def forward_packed(
         self, packed: RefinerPacked, trace: dict[str, torch.Tensor] | None = None
@@ -242,22 +251,9 @@ class Magi2Refiner(nn.Module):
         Returns the full `[N, C_video]` fp32 output rows (packed order; text rows zero) on
         every SP rank. `trace`, when given, receives this rank's rows (packed order, in the
         dtype they have in the forward) of `embed`, `layer{i}_attn` (the attention branch)
-        and `layer{i}_out` (the residual after layer i)."""
-        plan = self.plan(packed)
-        h = self._embed(packed, plan)
-        if trace is not None:
-            trace["embed"] = h.clone()
-        for i, layer in enumerate(self.block.layers):
-            with present(layer):  # its weights, when they stream (`--offload-layers`)
-                attn = layer.attention(h, plan, self.context)
-                h = h + attn
-                h = layer.mlp.add_to(h, plan, self.mlp_chunk_rows)
-            if trace is not None:
-                trace[f"layer{i}_attn"], trace[f"layer{i}_out"] = attn.clone(), h.clone()
-        local = self._post(h, plan)
-        sp = self.context.config.ulysses_degree
-        group = self.context.group("sp") if sp > 1 else None
-        return gather_rows(local, group, plan.counts, counters=self.context.counters)
+        and `layer{i}_out` (the residual after layer i). The collectives it issues are
+        checked against its `refiner_schedule`."""
+        return self.run_planned(packed, trace)
 
     def forward(self, video: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """The flow velocity of one forward: video latent `[C_v, T, H, W]` fp32 and text

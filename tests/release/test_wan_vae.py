@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from headmoe.pipeline.latents import frame_count
 from headmoe.release import video_latents as vl
 from headmoe.release import wan_vae as wv
-from tests.pipeline.goldens import golden_dir, released_tensors
+from tests.goldens import golden_dir, released_tensors
 
 #: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
 pytestmark = pytest.mark.golden
@@ -56,7 +57,7 @@ def test_golden_encoder_half_of_renaming(vae, case):
 def test_output_sizes(vae, t):
     dec = wv.WanVideoDecoder(vae)
     z = torch.randn(1, 48, t, 1, 2, generator=torch.Generator().manual_seed(t))
-    assert dec.decode_frames(z).shape == (1, 3, vl.frame_count(t), 16, 32)
+    assert dec.decode_frames(z).shape == (1, 3, frame_count(t), 16, 32)
 
 
 def _f32(cfg: dict) -> dict:

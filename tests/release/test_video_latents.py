@@ -1,4 +1,5 @@
-"""Wan2.2 latent statistics, de-normalisation, pixel conversion and video latent sizes."""
+"""Wan2.2 latent statistics, de-normalisation and pixel conversion (the latent sizes:
+tests/pipeline/test_latents.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from headmoe.release import video_latents as vl
-from tests.pipeline.goldens import golden_dir
+from tests.goldens import golden_dir
 
 #: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
 pytestmark = pytest.mark.golden
@@ -42,15 +43,3 @@ def test_frames_to_uint8_truncates_and_clamps():
     # 0.999 -> 0.9995 * 255 = 254.87 -> 254 (truncated); 0 -> 127.5 -> 127; 0.5 -> 191.25
     assert out[0, 0, :, 0].tolist() == [0, 0, 127, 254, 255, 255, 191]
 
-
-def test_latent_shape():
-    assert vl.latent_shape(125, 720, 1280) == (32, 45, 80)
-    assert [vl.latent_shape(n, 16, 16)[0] for n in (1, 5, 9, 13)] == [1, 2, 3, 4]
-    for n in (2, 6, 14):  # the decoders make 1 + 4k frames: others are refused
-        with pytest.raises(ValueError, match=rf"num_frames={n} must be of the form 4k\+1"):
-            vl.latent_shape(n, 16, 16)
-    assert vl.frame_count(32) == 125
-    with pytest.raises(ValueError, match="height=20 must be a positive multiple of 16, e.g. 16"):
-        vl.latent_shape(5, 20, 16)
-    with pytest.raises(ValueError, match="num_frames"):
-        vl.latent_shape(0, 16, 16)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headmoe.release import audio_vae as av
-from tests.pipeline.goldens import golden_dir, released_tensors
+from tests.goldens import golden_dir, released_tensors
 
 #: compares against golden/ (run under both CPU dispatches by tests/test_golden_dispatch.py)
 pytestmark = pytest.mark.golden
