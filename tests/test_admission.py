@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 import headmoe.cli.generate as generate_cli
 from headmoe import admission
 from headmoe.cli.errors import describe
+from headmoe.cli.flags import as_flags
 from headmoe.cli.main import build_parser
 from headmoe.cli.serve import build_spec
 from headmoe.errors import Refusal
@@ -72,7 +73,7 @@ def generate_verdict(cache, tmp_path, request: dict) -> tuple[str, str]:
     with pytest.raises(Refusal) as info:
         generate_cli.build_job(build_parser().parse_args(argv))
     code, line = describe(info.value, "generate")  # what the command line prints
-    assert code == 2 and line.startswith(generate_cli.flagify(info.value.message, True))
+    assert code == 2 and line.startswith(as_flags(info.value.message, True))
     return info.value.field, info.value.message
 
 
@@ -143,10 +144,10 @@ def test_one_memory_estimate_for_every_entry_point(spec):
     count = spec.deployment.count_tokens
     assert got.shape.text_tokens == (count(req.prompt), count(req.negative_prompt))
     assert got.shape.text_tokens[0] != admission.byte_tokens(req.prompt)  # BPE, not bytes
-    want = estimate_memory(spec.model_config, got.shape, spec.parallel, req.torch_dtype,
+    dep = spec.deployment
+    want = estimate_memory(dep.model_config, got.shape, dep.parallel, req.torch_dtype,
                            (req.num_frames, req.height, req.width), req.audio_samples(44100))
     # the server keeps the release's refiner loaded, so a preview-only request counts it too
-    dep = spec.deployment
     assert dep.resident_refiner and dep.refiner_config is not None
     resident = refiner_weight_bytes(dep.refiner_config, req.torch_dtype)
     assert resident > 0 and got.estimate.weights == want.weights + resident
@@ -170,8 +171,8 @@ def test_one_rank_serve_runs_where_generate_runs(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     import headmoe.serve.worker as worker
-    from headmoe.config import ParallelConfig
     from headmoe.distributed import context
+    from headmoe.pipeline.deployment import Deployment
     from headmoe.serve.spec import ServeSpec
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -188,8 +189,8 @@ def test_one_rank_serve_runs_where_generate_runs(monkeypatch, tmp_path):
 
     monkeypatch.setattr(worker.ParallelContext, "single", single)
     monkeypatch.setattr(signal, "signal", lambda *a: None)
-    spec = ServeSpec(ParallelConfig(), SimpleNamespace(name="fake"), "", "tiny", "fp32",
-                     str(tmp_path), port=0)
+    dep = Deployment(model_config=SimpleNamespace(name="fake"), model="tiny", dtype="fp32")
+    spec = ServeSpec(deployment=dep, output_dir=str(tmp_path), port=0)
     with pytest.raises(Stop):
         worker.serve_rank(spec, 0, 1, None)
     assert seen == [torch.device("cuda", 0)]

@@ -1,6 +1,6 @@
 """Admission: the one path from a request + a deployment to a checked, resolved request.
 
-    dep = Deployment(model_config, parallel, device, video_decoder, count_tokens, budget)
+    dep = build_deployment(DeploymentOptions(model="tiny"))  # headmoe.deployment
     admitted = admit({"prompt": "a fox", "resolution": "272p", "seconds": 4}, dep)
     admitted.request            # GenerateRequest, every field filled
     admitted.sources            # field -> "flag" / "request" / "model default"
@@ -25,27 +25,27 @@ What it owns, in the order it checks:
 6. the text tokens of both prompts, counted by the deployment's tokenizer (the release's,
    capped at its 7,000-token limit), for
 7. the one memory estimate (`headmoe.planner.memory.estimate_memory`) against the one
-   budget (`memory_budget`).
+   budget (`headmoe.deployment.memory_budget`, the `Deployment`'s).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from headmoe.config import GIB, ParallelConfig, is_number
+from headmoe.config import GIB, is_number
+from headmoe.deployment import stream_of
 from headmoe.errors import Refusal
 from headmoe.pipeline import latents
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.recipe import (
     REFINER_RESOLUTIONS,
     RELEASED_SECONDS,
     RESOLUTIONS,
     Recipe,
-    recipe_for,
 )
 from headmoe.pipeline.request import (
     MAX_SECONDS,
@@ -56,7 +56,7 @@ from headmoe.pipeline.request import (
     show,
 )
 from headmoe.pipeline.seeding import SEED_LIMIT
-from headmoe.planner.memory import MemoryEstimate, estimate_memory, memory_limit
+from headmoe.planner.memory import MemoryEstimate, estimate_memory
 from headmoe.planner.request import RequestShape
 from headmoe.release import audio_vae
 
@@ -69,55 +69,6 @@ INPUT_FIELDS: tuple[str, ...] = (*REQUEST_FIELDS, "resolution", "seconds", "size
 #: where a resolved field's value came from
 GIVEN_BY_FLAG, GIVEN_BY_REQUEST, MODEL_DEFAULT = "flag", "request", "model default"
 DEPLOYMENT = "server"
-#: the largest memory budget a flag may give (GiB per rank)
-MAX_BUDGET_GIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Bytes one rank may use (None: not checked) and where the number comes from."""
-
-    limit: int | None
-    source: str
-
-
-UNCHECKED = Budget(None, "not checked")
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """What a request runs on. ``model_config`` a `Magi2Config`; ``device`` "cpu" or
-    "cuda"; ``count_tokens(text)`` the tokens the text encoder keeps of ``text`` (None: the
-    stand-in byte encoder's count); ``budget`` the per-rank memory budget."""
-
-    model_config: Any
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    device: str = "cpu"
-    count_tokens: Callable[[str], int] | None = None
-    budget: Budget = UNCHECKED
-    describe: str = ""
-    """How refusals name the model (e.g. "--model /ckpt (config magi2-preview)")."""
-    stream: Any = None
-    """`headmoe.planner.memory.StreamSettings` with ``--offload-layers``, else None."""
-    refiner_config: Any = None
-    """The `Magi2RefinerConfig` of the release's refiner/ (None: no refiner stage here)."""
-    refiner_problem: str = ""
-    """Why the release's refiner/ is not used (it failed its checks), for the refusal."""
-    offload: bool = False
-    """``--offload``: the idle stage's weights live on the host (refiner memory)."""
-    resident_refiner: bool = False
-    """The refiner's weights stay on the device for every request (a server that loads
-    ``refiner/`` at start), so a preview-only request counts them too."""
-    threads: int = 1
-    """torch threads per rank on a CPU (`set_rank_threads`'s count; the time estimate)."""
-    max_time_s: float | None = None
-    """``--max-time``: refuse a request whose time estimate is over it (None: no check)."""
-
-    @property
-    def recipe(self) -> Recipe:
-        return recipe_for(self.model_config)
-
-
 @dataclass(frozen=True)
 class Admitted:
     """A checked request: the resolved `request`, where each field came from (`sources`),
@@ -359,16 +310,16 @@ def request_shape(req: GenerateRequest, count_tokens: Callable[[str], int] | Non
 
 
 def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG,
-          fixed: Mapping[str, Any] | None = None, image: bool = False) -> Admitted:
+          image: bool = False) -> Admitted:
     """The checked, resolved request of ``given`` (field -> value; fields left out take the
     model's recipe) on ``dep``, or `Refusal` (module docstring: what is checked, in order).
-    ``fixed``: fields the deployment sets for every request (a server's dtype); ``image``:
+    ``dep.dtype``: the dtype the deployment sets for every request (a server's); ``image``:
     an image-to-video request (its image rows count in the memory estimate)."""
     if "prompt" not in given:
         raise Refusal("prompt", None, "prompt is required")
     values, sources, notes = resolve(given, dep.recipe, dep.device, origin)
-    for name, value in (fixed or {}).items():
-        values[name], sources[name] = check_field(name, value), DEPLOYMENT
+    if dep.dtype is not None:
+        values["dtype"], sources["dtype"] = check_field("dtype", dep.dtype), DEPLOYMENT
     req = GenerateRequest(**values)
     shape = request_shape(req, dep.count_tokens, image)
     samples = req.audio_samples(audio_vae.OUTPUT_SAMPLE_RATE)
@@ -378,7 +329,7 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
                       "on the GPU, but no CUDA device is available here; use "
                       "noise_device='cpu'")
     est = estimate_memory(dep.model_config, shape, dep.parallel, req.torch_dtype,
-                          (req.num_frames, req.height, req.width), samples, stream=dep.stream)
+                          (req.num_frames, req.height, req.width), samples, stream=stream_of(dep))
     refiner = refiner_stage(given)
     if refiner is None:
         est = _with_resident_refiner(est, dep, req)
@@ -462,22 +413,3 @@ def _check_refiner(given: Mapping[str, Any], dep: Deployment, stage: Any,
                       f"the preview needs an estimated {est.describe()}, more than the "
                       f"{limit / GIB:.2f} GiB limit ({dep.budget.source}); use a smaller "
                       "refiner size, more ranks, --offload or a larger --max-memory-gib")
-
-
-# ---------------------------------------------------------------------- the budget
-def memory_budget(gib: float | None, flag: str, local_ranks: int, device: str) -> Budget:
-    """The per-rank budget: ``gib`` GiB when given (``flag`` names it in messages; 0 means
-    no check), else `memory_limit` (free device memory, or the host's available memory /
-    local ranks). Raises `ValueError` naming ``flag``."""
-    if gib is not None:
-        if not (is_number(gib) and math.isfinite(gib) and 0 <= gib <= MAX_BUDGET_GIB):
-            raise ValueError(f"{flag} must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
-                             f"(0: no check), got {gib!r}")
-        return UNCHECKED if gib == 0 else Budget(int(gib * GIB), flag)
-    limit, source = memory_limit(local_ranks, device == "cuda")
-    return Budget(limit, source)
-
-
-def local_ranks(world: int) -> int:
-    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the whole local world."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -136,16 +136,17 @@ def test_time_estimate_is_printed_before_ranks_and_max_time_refuses(tmp_path, ca
 
 
 def test_release_recipe_on_a_cpu_is_estimated_in_hours():
-    from headmoe.admission import Deployment, admit
+    from headmoe.admission import admit
     from headmoe.errors import Refusal
     from headmoe.models.magi2 import get_config
+    from headmoe.pipeline.deployment import Deployment
 
-    dep = Deployment(get_config("magi2-preview"), device="cpu", threads=2, max_time_s=3600)
+    dep = Deployment(model_config=get_config("magi2-preview"), device="cpu", threads=2, max_time_s=3600)
     with pytest.raises(Refusal) as exc:
         admit({"prompt": "a red fox"}, dep)  # 540p, 125 frames, 100 steps
     assert " h " in exc.value.message and "max_time=3600 s" in exc.value.message
     small = admit({"prompt": "a red fox", "num_inference_steps": 1, "size": "96x64",
-                   "seconds": 2}, Deployment(get_config("tiny"), threads=1, max_time_s=3600))
+                   "seconds": 2}, Deployment(model_config=get_config("tiny"), threads=1, max_time_s=3600))
     assert small.time.seconds < 60
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from headmoe.cli.generate import flagify
+from headmoe.cli.flags import as_flags
 from headmoe.cli.main import build_parser, main
 from headmoe.pipeline.media import read_mp4
 from headmoe.testing import spawned_rank_pids
@@ -81,17 +81,17 @@ def test_cuda_noise_refused_without_cuda(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o.mp4").exists()
 
 
-def test_flagify_only_rewrites_field_names():
+def test_as_flags_only_rewrites_field_names():
     assert (
-        flagify("seed must be a non-negative int, got -1")
+        as_flags("seed must be a non-negative int, got -1")
         == "--seed must be a non-negative int, got -1"
     )
-    assert flagify("x for a head-style model") == "x for a head-style model"
-    assert flagify("negative_prompt must be a str") == "--negative-prompt must be a str"
+    assert as_flags("x for a head-style model") == "x for a head-style model"
+    assert as_flags("negative_prompt must be a str") == "--negative-prompt must be a str"
     # issue 32 point 10: a word of another message is not a field
     quoted = "x.ckpt: cannot be read (RuntimeError: Storage size calculation overflowed)"
-    assert flagify(quoted) == quoted
-    assert flagify("seed 5 (ValueError: size 3) and seed 4") == \
+    assert as_flags(quoted) == quoted
+    assert as_flags("seed 5 (ValueError: size 3) and seed 4") == \
         "--seed 5 (ValueError: size 3) and --seed 4"
 
 

@@ -111,7 +111,7 @@ def test_plan_16_ranks_follows_the_guides_exchange_rule():
 def test_plan_is_readable_and_prints_the_generate_flags(capsys, tmp_path):
     import dataclasses
 
-    from headmoe.cli.generate import parallel_from_args
+    from headmoe.cli.flags import parallel_of
     from headmoe.cli.main import build_parser
     from headmoe.release import folder as release
 
@@ -129,7 +129,7 @@ def test_plan_is_readable_and_prints_the_generate_flags(capsys, tmp_path):
     name = best.removeprefix("Recommended: ").split(" — ")[0]
     from headmoe.planner import layout_name
 
-    par = parallel_from_args(args)
+    par = parallel_of(args)
     assert layout_name(par) == name or layout_name(dataclasses.replace(
         par, moe_exchange="auto")) == name, (command, name)
     assert args.nproc == par.world_size == 4

@@ -6,6 +6,7 @@ import torch
 
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.release.components import magi2_components, resolve_model
@@ -49,7 +50,9 @@ def _request(dtype, seed=3):
 
 def _jobs(cfg, ckpt):
     return [
-        GenerateJob(_request(dt), par, cfg, ckpt, None, timeout_s=120, progress=False,
+        GenerateJob(deployment=Deployment(model_config=cfg, checkpoint=ckpt, parallel=par,
+                                          timeout_s=120),
+                    request=_request(dt), output=None, progress=False,
                     components=magi2_components)
         for dt in DTYPES
         for par in LAYOUTS.values()
@@ -73,7 +76,8 @@ def test_same_bytes_on_every_layout(tmp_path):
         try:
             for seed in (3, 4):
                 job = GenerateJob(
-                    _request(dt, seed), ParallelConfig(), cfg, ckpt, None, progress=False,
+                    deployment=Deployment(model_config=cfg, checkpoint=ckpt),
+                    request=_request(dt, seed), output=None, progress=False,
                     components=magi2_components,
                 )
                 res = run_job(ParallelContext.single(), job)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.errors import NonFiniteError
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.health import check_step, text_report, watch_layers
 from headmoe.pipeline.job import Components, GenerateJob, run_job
 from headmoe.pipeline.request import GenerateRequest
@@ -23,8 +23,8 @@ REQ = GenerateRequest(prompt="a cat", negative_prompt="", num_inference_steps=3)
 
 
 def _job(components=fake_components, output=None, request=REQ):
-    return GenerateJob(request, ParallelConfig(), None, "", output, progress=False,
-                       components=components)
+    return GenerateJob(deployment=Deployment(model_config=None), request=request,
+                       output=output, progress=False, components=components)
 
 
 def _draw(seed: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from headmoe.distributed.context import ParallelContext
 from headmoe.models.magi2 import BranchInput, Magi2Transformer, load_checkpoint, pack_branches
 from headmoe.pipeline import i2v as figure
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.job import GenerateJob, denoise, draw_noise
 from headmoe.pipeline.request import GenerateRequest
@@ -135,7 +136,8 @@ def i2v_run(single_thread):
     noise = draw_noise(ParallelContext.single(), req, parts)
     cond = figure.ImageCondition(video(d["in.ref_image_feat"][0, 0])[0],
                                  d["in.ref_image_special_token"][0, 0])
-    job = GenerateJob(req, None, None, "", None, progress=False)
+    job = GenerateJob(deployment=Deployment(model_config=None, parallel=None), request=req,
+                      output=None, progress=False)
     texts = [d["in.txt_feat"][0], d["in.null_txt_feat"][0]]
     xv, xa, _ = denoise(ParallelContext.single(), job, parts, noise, texts, cond=cond)
     return d, rec.calls, (xv, xa), noise

@@ -18,6 +18,7 @@ from headmoe.cli.main import main
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.pipeline import i2v
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.image import prepare_image
 from headmoe.pipeline.job import GenerateJob, build_components, run_request
 from headmoe.pipeline.request import GenerateRequest
@@ -49,8 +50,8 @@ def _job(folder: Path, image) -> GenerateJob:
     rel = release.find_release(folder, image_encoder=True)
     req = GenerateRequest(prompt=PROMPT, height=64, width=96, num_frames=5,
                           num_inference_steps=2)
-    return GenerateJob(req, ParallelConfig(), rel.model_config, rel.transformer, None,
-                       progress=False, release=rel, image=image,
+    dep = Deployment(model_config=rel.model_config, checkpoint=rel.transformer, release=rel)
+    return GenerateJob(deployment=dep, request=req, output=None, progress=False, image=image,
                        components=magi2_components)
 
 
@@ -83,7 +84,8 @@ def test_offload_and_missing_encoder(folder):
     rel = release.find_release(folder)  # image_encoder=False: not loaded
     assert rel.image_encoder is None
     assert release.find_release(folder, image_encoder=None).image_encoder == str(folder / "vae")
-    job = dataclasses.replace(_job(folder, _image()), release=rel)
+    job = _job(folder, _image())
+    job = dataclasses.replace(job, deployment=dataclasses.replace(job.deployment, release=rel))
     parts = build_components(ParallelContext.single(), job)
     assert parts.image_encoder is None
     with pytest.raises(ValueError, match="no image encoder"):

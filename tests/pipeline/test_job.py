@@ -11,6 +11,7 @@ import torch
 import headmoe.pipeline.job as job_module
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.job import GenerateJob, output_path, run_job, run_jobs
 from headmoe.pipeline.media import quantize_audio, read_mp4, tensor_sha256
 from headmoe.pipeline.request import GenerateRequest
@@ -24,11 +25,9 @@ REQ = GenerateRequest(prompt="a cat", negative_prompt="blur", num_inference_step
 
 def _job(parallel=None, output=None, request=REQ):
     return GenerateJob(
-        request,
-        parallel or ParallelConfig(),
-        None,
-        "",
-        output,
+        deployment=Deployment(model_config=None, parallel=parallel or ParallelConfig()),
+        request=request,
+        output=output,
         progress=False,
         components=fake_components,
     )
@@ -166,7 +165,7 @@ def test_audio_samples_of_a_clip():
 def test_job_rejects_bad_timeout(timeout):
     with pytest.raises(ValueError, match=f"timeout.* (must be a positive finite number|must be "
                                          rf"at least 1 s .*), got {timeout!r}"):
-        GenerateJob(REQ, ParallelConfig(), None, "", None, timeout_s=timeout)
+        Deployment(model_config=None, timeout_s=timeout)
 
 
 def test_a_job_without_a_component_factory_is_refused_before_it_runs():

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from headmoe.admission import Budget, Deployment, admit
+from headmoe.admission import admit
 from headmoe.cli.generate import build_job
 from headmoe.cli.main import build_parser, main
 from headmoe.config import ParallelConfig
@@ -21,6 +21,7 @@ from headmoe.distributed import ParallelContext
 from headmoe.errors import Refusal
 from headmoe.models.magi2 import get_config
 from headmoe.models.refiner import get_refiner_config
+from headmoe.pipeline.deployment import Budget, Deployment
 from headmoe.pipeline.interfaces import Refiner
 from headmoe.pipeline.job import run_job, run_jobs
 from headmoe.pipeline.media import read_mp4
@@ -63,7 +64,8 @@ def test_layouts_write_the_same_refined_clip(tmp_path, cache):
     assert one["audio_sha256"] == preview["audio_sha256"]  # the preview's audio is kept
     assert one["video_sha256"] != preview["video_sha256"]
     assert audio.shape[0] == 2
-    jobs = [dataclasses.replace(job, parallel=p, output=None) for p in LAYOUTS]
+    jobs = [dataclasses.replace(job, deployment=dataclasses.replace(job.deployment, parallel=p),
+                                output=None) for p in LAYOUTS]
     per_rank = run_ranks(run_jobs, 4, args=(jobs,), timeout=300)
     hashes = {(r["video_sha256"], r["audio_sha256"]) for results in per_rank for r in results
               if r["video_sha256"] is not None}
@@ -90,7 +92,7 @@ def test_refiner_flags_are_checked_before_any_rank(tmp_path, cache, capsys):
 
 def test_1080p_preset_is_the_540p_preview_then_the_refiner():
     cfg = get_refiner_config("magi2-refiner")
-    dep = Deployment(get_config("magi2-preview"), refiner_config=cfg)
+    dep = Deployment(model_config=get_config("magi2-preview"), refiner_config=cfg)
     got = admit({"prompt": "a fox", "resolution": "1080p"}, dep)
     assert (got.request.height, got.request.width) == (512, 896)
     assert got.refiner == RefinerStage(1088, 1920, 5)
@@ -102,7 +104,7 @@ def test_1080p_preset_is_the_540p_preview_then_the_refiner():
     assert small.refiner == RefinerStage(544, 960, 3)
     assert admit({"prompt": "a fox", "resolution": "540p"}, dep).refiner is None
     with pytest.raises(Refusal, match="resolution='1080p' needs the refiner stage"):
-        admit({"prompt": "a fox", "resolution": "1080p"}, Deployment(get_config("magi2-preview")))
+        admit({"prompt": "a fox", "resolution": "1080p"}, Deployment(model_config=get_config("magi2-preview")))
     with pytest.raises(Refusal, match="refiner_width=100 must be a multiple of 16"):
         admit({"prompt": "a fox", "refiner_width": 100}, dep)
     tight = dataclasses.replace(dep, budget=Budget(520 << 30, "test"))  # the preview fits

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from headmoe.distributed import ParallelContext
 from headmoe.models.magi2 import Magi2Transformer, load_checkpoint, pack_branches
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.interfaces import Components
 from headmoe.pipeline.job import GenerateJob, Noise, denoise, draw_noise
 from headmoe.pipeline.request import GenerateRequest
@@ -81,7 +82,8 @@ def run(request, model):
     d, seed = _load(request.param)
     rec = Recorder(Magi2Denoiser(model))
     parts = Components(rec, None, None, None)
-    job = GenerateJob(_request(seed), None, None, "", None, progress=False)
+    job = GenerateJob(deployment=Deployment(model_config=None, parallel=None),
+                      request=_request(seed), output=None, progress=False)
     noise = Noise(seed, video(d["in.video_noise"][0]), d["in.audio_noise"][0].clone(), 1)
     texts = [d["in.txt_feat"][0], d["in.null_txt_feat"][0]]
     xv, xa, _ = denoise(ParallelContext.single(), job, parts, noise, texts)

@@ -16,6 +16,7 @@ from headmoe.cli.compare import predicted_summary
 from headmoe.config import ParallelConfig
 from headmoe.distributed import ParallelContext
 from headmoe.distributed.topology import plan_topology
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.job import GenerateJob, run_job, run_jobs
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
@@ -39,9 +40,11 @@ def _job(found, parallel, offload, resident=0, output=None):
     req = GenerateRequest(prompt="a red fox running through snow at dusk", height=32, width=48,
                           num_frames=5, num_inference_steps=STEPS, seed=5, dtype="bf16")
     model = dataclasses.replace(found.model_config, name="tiny")  # as generate names it
-    return GenerateJob(req, parallel, model, found.transformer, output,
-                       timeout_s=120, progress=False, release=found, offload_layers=offload,
-                       resident_layers=resident, components=magi2_components)
+    dep = Deployment(model_config=model, checkpoint=found.transformer, release=found,
+                     parallel=parallel, timeout_s=120, offload_layers=offload,
+                     resident_layers=resident)
+    return GenerateJob(deployment=dep, request=req, output=output, progress=False,
+                       components=magi2_components)
 
 
 def _refined(found, parallel, offload):

@@ -20,7 +20,7 @@ import pytest
 import headmoe.serve.app as app_mod
 import headmoe.serve.http as http_mod
 from headmoe.cli.main import main
-from headmoe.config import ParallelConfig
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve.http import LogBudget
 from headmoe.serve.spec import ServeSpec
@@ -30,10 +30,14 @@ from tests.serve.server import REQUEST, Server, finished, wait_for
 
 KEY = "s3cret"
 
+#: a server deployment of a stand-in model (no weights)
+FAKE_DEPLOYMENT = Deployment(model_config=SimpleNamespace(name="fake"), model="tiny",
+                             dtype="fp32")
+
 
 def _leader(tmp_path, api_key=None) -> Leader:
-    spec = ServeSpec(ParallelConfig(), SimpleNamespace(name="fake"), "", "tiny", "fp32",
-                     str(tmp_path), port=0, api_key=api_key, tick_s=0.01)
+    spec = ServeSpec(deployment=FAKE_DEPLOYMENT, output_dir=str(tmp_path),
+                     port=0, api_key=api_key, tick_s=0.01)
     leader = Leader(spec, bind("127.0.0.1", 0))
     leader.start_http()
     return leader

@@ -25,8 +25,9 @@ def test_model_field_takes_the_id_and_presets_never_a_path(tiny_cache, tmp_path)
         message = exc.value.message
         assert exc.value.param == "model" and exc.value.status == 422
         assert str(tiny_cache) not in message.replace(bad, "") and "'tiny'" in message, message
-    released = dataclasses.replace(spec, model_config=get_config("magi2-preview"),
-                                   model="/srv/ckpt/MAGI-2-preview")
+    released = dataclasses.replace(spec, deployment=dataclasses.replace(
+        spec.deployment, model_config=get_config("magi2-preview"),
+        model="/srv/ckpt/MAGI-2-preview"))
     assert released.model_names == ("magi2-preview", RELEASED_MODEL_ID)
     with pytest.raises(RequestError) as exc:
         admit_body(VideoCreate(prompt="a fox", model="tiny"), released)

@@ -6,14 +6,18 @@ from types import SimpleNamespace
 import pytest
 
 from headmoe.cli.main import main
-from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.serve import wire
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.worker import Leader, bind, run_one
 from headmoe.testing import run_ranks
 from tests.pipeline.fake import fake_components
+
+#: a server deployment of a stand-in model (no weights)
+FAKE_DEPLOYMENT = Deployment(model_config=SimpleNamespace(name="fake"), model="tiny",
+                             dtype="fp32")
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -53,8 +57,8 @@ class Boom:
 
 
 def test_rank_outcomes_fail_cancel_complete_then_drain(tmp_path):
-    spec = ServeSpec(ParallelConfig(), SimpleNamespace(name="fake"), "", "tiny", "fp32",
-                     str(tmp_path), port=0, tick_s=0.01)
+    spec = ServeSpec(deployment=FAKE_DEPLOYMENT, output_dir=str(tmp_path),
+                     port=0, tick_s=0.01)
     leader = Leader(spec, bind("127.0.0.1", 0))
     ctx = ParallelContext.single()
     good = fake_components(ctx, None)
@@ -96,6 +100,7 @@ def test_wire_moves_json_between_ranks():
 def test_streamed_layers_reach_every_served_job(tiny_cache, tmp_path):
     from headmoe.cli.main import build_parser
     from headmoe.cli.serve import build_spec
+    from headmoe.deployment import stream_of
 
     args = build_parser().parse_args(["serve", "--cache-dir", str(tiny_cache), "--output-dir",
                                       str(tmp_path / "o"), "--offload-layers",
@@ -103,7 +108,7 @@ def test_streamed_layers_reach_every_served_job(tiny_cache, tmp_path):
     spec, world = build_spec(args)
     job = spec.job(GenerateRequest(prompt="a fox"), None, {})
     assert world == 1 and job.offload_layers and job.resident_layers == 1
-    assert spec.deployment.stream.resident_layers == 1  # admitted with the streamed estimate
+    assert stream_of(spec.deployment).resident_layers == 1  # admitted with the streamed estimate
 
 
 def _serve_spec(tiny_cache, tmp_path, *flags):
@@ -123,7 +128,7 @@ def test_1080p_admitted_with_refiner_refused_without(tiny_cache, tmp_path):
     from headmoe.serve.validate import RequestError, VideoCreate, admit_body
 
     spec = _serve_spec(tiny_cache, tmp_path)
-    assert spec.has_refiner and spec.deployment.refiner_config is not None
+    assert spec.deployment.has_refiner and spec.deployment.refiner_config is not None
     body = VideoCreate(prompt="a fox", resolution="1080p", refiner_height=64,
                        refiner_width=96, refiner_steps=2)
     admitted = admit_body(body, spec)
@@ -133,8 +138,8 @@ def test_1080p_admitted_with_refiner_refused_without(tiny_cache, tmp_path):
         RefinerStage()  # 1088 x 1920, the released steps
     job = spec.job(admitted.request, None, {}, refiner=admitted.refiner)
     assert job.refiner == admitted.refiner
-    bare = _serve_spec(tiny_cache, tmp_path, "--model", spec.checkpoint)
-    assert not bare.has_refiner
+    bare = _serve_spec(tiny_cache, tmp_path, "--model", spec.deployment.checkpoint)
+    assert not bare.deployment.has_refiner
     for given, field in (({"resolution": "1080p"}, "resolution"),
                          ({"refiner_steps": 2}, "refiner_steps")):
         with pytest.raises(RequestError) as exc:

@@ -2,14 +2,13 @@
 any weight is built: the prompt source, the output path, checkpoint values (the request
 itself is admission's, `headmoe.admission`). Each raises `UserError` naming the flag / file / value and what to do.
 
-`add_arguments` adds the flags these checks read (``--prompt-file``, ``--overwrite``,
-``--max-memory-gib``, ``--check-weights``).
+The flags these checks read (``--prompt-file``, ``--overwrite``, ``--check-weights``) are
+declared in `headmoe.cli.flags`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import tempfile
@@ -18,52 +17,12 @@ from typing import Any
 
 from headmoe.errors import UserError
 from headmoe.files import listing
+from headmoe.models.magi2 import check_checkpoint
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.request import MAX_PROMPT_CHARS
 
 #: the most bytes --prompt-file reads (4 UTF-8 bytes per character at most)
 MAX_PROMPT_FILE_BYTES = 4 * MAX_PROMPT_CHARS
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of these checks, on the `generate` parser."""
-    group = next((g for g in p._mutually_exclusive_groups
-                  if any(a.dest == "prompt" for a in g._group_actions)), p)
-    group.add_argument("--prompt-file", default=None,
-                       help="read the prompt from this UTF-8 file (instead of --prompt)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --output file (default: refuse)")
-    add_memory_flag(p)
-    add_time_flag(p, None)
-    p.add_argument("--check-weights", action="store_true",
-                   help="read every tensor of the transformer checkpoint (and of a release's text "
-                   "encoder and video and audio decoders) first and refuse NaN/Inf values")
-
-
-def add_memory_flag(p: argparse.ArgumentParser, *aliases: str) -> None:
-    """``--max-memory-gib`` (generate and serve): the per-rank budget of the memory estimate."""
-    p.add_argument("--max-memory-gib", *aliases, dest="max_memory_gib", type=float,
-                   default=None,
-                   help="memory one rank may use, replacing the detected limit (free device "
-                   "memory, or available host memory / local ranks on CPU); 0: no check")
-
-
-def add_time_flag(p: argparse.ArgumentParser, default: float | None) -> None:
-    """``--max-time`` (generate: no default; serve: a server's default): refuse a request
-    whose time estimate (`headmoe.planner.time`) is over it."""
-    p.add_argument("--max-time", type=float, default=default, metavar="SECONDS",
-                   help="refuse a request whose time estimate (printed before the ranks "
-                   "start) is over this many seconds; 0: no check (default: "
-                   f"{'none' if default is None else f'{default:g}'})")
-
-
-def check_max_time(value: float | None) -> float | None:
-    """``--max-time`` as seconds or None (0: no check); `UserError` naming the flag."""
-    if value is None or value == 0:
-        return None
-    if not (math.isfinite(value) and value > 0):
-        raise UserError(f"--max-time must be a positive number of seconds (0: no check), got "
-                        f"{value!r}")
-    return value
 
 
 def _utf8(text: str, what: str) -> str:
@@ -138,6 +97,30 @@ def check_output(output: Path, overwrite: bool, dp_size: int) -> None:
         if (f.exists() or f.is_symlink()) and not overwrite:
             raise UserError(f"--output {str(output)!r}: {str(f)!r} already exists, "
                             "pass --overwrite to replace it or pick another path")
+
+
+def check_weights(dep: Deployment, scan: bool) -> None:
+    """The transformer checkpoint's headers (a bare checkpoint's: a release's were checked
+    when its `Deployment` was built) and, with ``scan`` (``--check-weights``), every tensor
+    of it and of the release's components; refused naming the file or tensor."""
+    if dep.release is not None and not scan:
+        return
+    headers, report = check_checkpoint(dep.model_config, dep.checkpoint)  # headers only
+    report_conversions(report)
+    if scan:
+        scan_weights(dep.checkpoint, headers, report.prefix)
+        if dep.release is not None:
+            scan_components(dep.release)
+
+
+def print_admitted(notes: list[str], dep: Deployment) -> None:
+    """Admission's notes on the request, and the warning of a release whose refiner/ failed
+    its checks (the request was admitted without it), on stderr."""
+    for note in notes:
+        print(f"headmoe: note: {note}", file=sys.stderr)
+    if dep.refiner_problem:
+        print(f"headmoe: warning: refiner/ is not used (a run of the refiner stage is "
+              f"refused): {dep.refiner_problem}", file=sys.stderr)
 
 
 def report_conversions(report: Any) -> None:

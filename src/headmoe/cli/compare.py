@@ -20,6 +20,7 @@ that is not a preset).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import subprocess
@@ -29,9 +30,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from headmoe.admission import admit, byte_tokens
+from headmoe.cli import checks, flags, generate
 from headmoe.cli.errors import run_guarded
-from headmoe.cli.generate import LAYOUT_FIELDS
 from headmoe.config import MIB, ParallelConfig, is_int
+from headmoe.deployment import build_deployment
 from headmoe.distributed.counters import Counters
 from headmoe.errors import RuntimeFault, UserError
 from headmoe.models.magi2.config import PRESETS, get_config
@@ -40,12 +43,11 @@ from headmoe.planner.layouts import layout_name, parse_layout
 from headmoe.planner.memory import StreamSettings, streamed_counts
 from headmoe.planner.predict import forward_counters, layout_topology
 from headmoe.planner.request import RequestShape
-from headmoe.release.standins import ByteTextEncoder
 
 #: generate options compare sets itself (by argparse dest)
 OWN_DESTS = frozenset(
     {
-        *LAYOUT_FIELDS,
+        *flags.LAYOUT_FIELDS,
         "nproc",
         "output",
         "no_progress",
@@ -57,7 +59,6 @@ Runner = Callable[[list[str]], None]
 
 
 def _generate_actions() -> list[argparse.Action]:
-    from headmoe.cli import generate
     from headmoe.cli.main import Parser
 
     top = Parser()
@@ -117,20 +118,6 @@ def generate_flags(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def layout_flags(parallel: ParallelConfig) -> list[str]:
-    """`generate` flags of a layout, `--nproc` included: one flag per `ParallelConfig` field
-    (the layout flags are its fields, `LAYOUT_FIELDS`); a False switch and a None value are
-    left out."""
-    flags: list[str] = []
-    for name in LAYOUT_FIELDS:
-        value, flag = getattr(parallel, name), "--" + name.replace("_", "-")
-        if isinstance(value, bool):
-            flags += [flag] if value else []
-        elif value is not None:
-            flags += [flag, str(value)]
-    return flags + ["--nproc", str(parallel.world_size)]
-
-
 def run_order(num_layouts: int, repeat: int) -> list[tuple[int, int]]:
     """`(repeat index, layout index)` of every run, round-robin: all layouts once, then
     again, `repeat` times."""
@@ -178,8 +165,7 @@ def predicted_summary(
     if side.get("text"):  # the text encoder's own token counts (a release's components)
         tokens = (side["text"]["prompt"]["kept"], side["text"]["negative_prompt"]["kept"])
     else:  # the stand-in byte encoder
-        text = ByteTextEncoder(1)
-        tokens = (len(text.tokenize(req["prompt"])), len(text.tokenize(req["negative_prompt"])))
+        tokens = (byte_tokens(req["prompt"]), byte_tokens(req["negative_prompt"]))
     shape = RequestShape(tuple(side["latents"]["video"][:3]), side["latents"]["audio"][0], tokens)
     model, dtype = get_config(name), DTYPES[req["dtype"]]
     one = forward_counters(model, shape, parallel, rank, dtype)
@@ -266,7 +252,7 @@ def compare(
             "headmoe.cli.main",
             "generate",
             *gen_flags,
-            *layout_flags(parallels[i]),
+            *flags.layout_argv(parallels[i]),
             "--output",
             str(output),
             "--no-progress",
@@ -310,27 +296,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _model_config(args: argparse.Namespace) -> Any:
-    """The transformer configuration ``--model`` / ``--model-config`` give, reading no
-    weight: the tiny preset, a release folder's (`release_config`) or a checkpoint's."""
-    from headmoe.release.components import resolve_model
-    from headmoe.release.folder import is_release_folder, release_config
-
-    if args.model != "tiny" and is_release_folder(args.model):
-        return release_config(Path(args.model).expanduser(), args.model_config)
-    return resolve_model(args.model, args.cache_dir, args.model_config, write=False)[0]
-
-
 def check_request(args: argparse.Namespace) -> None:
     """Refuse, before any run: a layout the model cannot run (named), and a request the
-    forwarded flags give that admission refuses under any of the layouts (the memory
-    estimate is each run's own, with its layout's ranks)."""
-    from headmoe.admission import Deployment, admit
-    from headmoe.cli import checks
-    from headmoe.cli.generate import given_request
-    from headmoe.planner.predict import layout_topology
-
-    model = _model_config(args)
+    forwarded flags give that admission refuses under any of the layouts (the model's
+    configuration only: each run's own ``generate`` checks its world, weights and memory
+    budget)."""
+    dep = build_deployment(flags.options_of(args, config_only=True))
+    model = dep.model_config
     parallels = []
     for name in args.layouts:
         try:
@@ -340,9 +312,9 @@ def check_request(args: argparse.Namespace) -> None:
                             "drop or fix that layout (nothing has run)") from None
     prompt = checks.read_prompt(argparse.Namespace(prompt=args.prompt,
                                                    prompt_file=args.prompt_file))
-    given = {**given_request(args), "prompt": prompt}
+    given = {**flags.given_request(args), "prompt": prompt}
     for parallel in parallels:
-        admit(given, Deployment(model, parallel))
+        admit(given, dataclasses.replace(dep, parallel=parallel))
 
 
 def run(args: argparse.Namespace, runner: Runner | None = None) -> int:

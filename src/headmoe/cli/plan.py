@@ -15,17 +15,17 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from headmoe.admission import MAX_BUDGET_GIB
+from headmoe.cli import flags
 from headmoe.cli.errors import UserError, run_guarded
-from headmoe.config import GIB, MIB
+from headmoe.config import GIB, MIB, ParallelConfig
+from headmoe.deployment import MAX_BUDGET_GIB, check_stream
 from headmoe.models.magi2.config import PRESETS, get_config
 from headmoe.models.magi2.packing import image_rows
-from headmoe.models.streaming import DEFAULT_SLOTS
 from headmoe.pipeline.image import max_latent_size
 from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
-from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings
+from headmoe.planner.memory import DEFAULT_H2D_GBPS
 from headmoe.planner.plan import LayoutPlan, plan_world
 from headmoe.planner.request import RequestShape
 
@@ -35,18 +35,16 @@ MAX_WORLD_SIZE = 4096
 
 
 def add_request_arguments(p: argparse.ArgumentParser) -> None:
-    """Request-shape flags (`generate`'s names and rules; left out: the model's recipe)."""
-    p.add_argument("--height", type=int, default=None,
-                   help="pixels (default: the model's recipe, 512 for MAGI-2 Preview)")
-    p.add_argument("--width", type=int, default=None,
-                   help="pixels (default: the model's recipe, 896 for MAGI-2 Preview)")
-    p.add_argument("--size", default=None, metavar="WxH", help="width x height in pixels")
-    p.add_argument("--num-frames", type=int, default=None,
-                   help="output frames (default: the model's recipe, 125 for MAGI-2 Preview)")
-    p.add_argument("--seconds", type=float, default=None,
-                   help="clip length; frames = the largest 4k+1 <= seconds x fps")
-    p.add_argument("--fps", type=float, default=None,
-                   help="output frame rate (default: the model's recipe, 12.5)")
+    """Request-shape flags (`generate`'s, from `headmoe.cli.flags`; left out: the model's
+    recipe)."""
+    flags.add(p, "height", "width", "size", "num_frames", "seconds", "fps",
+              height={"help": "pixels (default: the model's recipe, 512 for MAGI-2 Preview)"},
+              width={"help": "pixels (default: the model's recipe, 896 for MAGI-2 Preview)"},
+              size={"help": "width x height in pixels"},
+              num_frames={"help": "output frames (default: the model's recipe, 125 for "
+                          "MAGI-2 Preview)"},
+              seconds={"help": "clip length; frames = the largest 4k+1 <= seconds x fps"},
+              fps={"help": "output frame rate (default: the model's recipe, 12.5)"})
     p.add_argument(
         "--text-tokens",
         type=int,
@@ -59,36 +57,6 @@ def add_request_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="text tokens of the unconditional branch (default: --text-tokens)",
     )
-
-
-def add_stream_arguments(p: argparse.ArgumentParser) -> None:
-    """`--offload-layers` and `--resident-layers` (plan and generate)."""
-    p.add_argument(
-        "--offload-layers",
-        action="store_true",
-        help="stream each rank's transformer layer weights from the checkpoint's files, "
-        f"{DEFAULT_SLOTS} layers on the device at a time (docs/guide.md, 'Fewer GPUs')",
-    )
-    p.add_argument(
-        "--resident-layers",
-        type=int,
-        default=0,
-        help="with --offload-layers: keep the first N layers on the device (spare memory, "
-        "fewer bytes moved per step; default 0)",
-    )
-
-
-def stream_settings(args: argparse.Namespace, num_layers: int) -> StreamSettings | None:
-    """The `StreamSettings` of the flags (None without --offload-layers); `UserError`
-    naming the flag for a bad value."""
-    if not args.offload_layers:
-        if args.resident_layers:
-            raise UserError(f"--resident-layers {args.resident_layers} needs --offload-layers")
-        return None
-    if not 0 <= args.resident_layers <= num_layers:
-        raise UserError(f"--resident-layers must be in [0, {num_layers}] (the model's "
-                        f"layers), got {args.resident_layers}")
-    return StreamSettings(args.resident_layers)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -109,13 +77,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, required=True,
                    help=f"ranks of the world to plan (1 to {MAX_WORLD_SIZE:,})")
     add_request_arguments(p)
-    p.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="transformer dtype: linears, experts, exchanged activations (default: the "
-        "model's recipe on a GPU, bf16 for MAGI-2 Preview)",
-    )
+    flags.add(p, "dtype", dtype={
+        "choices": sorted(DTYPES), "help": "transformer dtype: linears, experts, exchanged "
+        "activations (default: the model's recipe on a GPU, bf16 for MAGI-2 Preview)"})
     p.add_argument(
         "--memory-gib",
         type=float,
@@ -143,12 +107,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="ranks per node: each node's first rank holds the text encoder (default: the "
         "whole world is one node)",
     )
-    p.add_argument(
-        "--offload",
-        action="store_true",
-        help="encoder and decoders kept on the host between uses (not counted on the device)",
-    )
-    add_stream_arguments(p)
+    flags.add(p, "offload", "offload_layers", "resident_layers", offload={
+        "help": "encoder and decoders kept on the host between uses (not counted on the "
+        "device)"})
     p.add_argument(
         "--h2d-gbps",
         type=float,
@@ -156,15 +117,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="host-to-device GB/s per GPU the streamed step-time bound assumes (default "
         f"{DEFAULT_H2D_GBPS:g})",
     )
-    p.add_argument("--resolution", default=None, choices=sorted(RESOLUTIONS),
-                   help="size preset of the request (replaces --height/--width; 1080p: the "
-                   "540p preview and the refiner stage at 1920x1088)")
-    p.add_argument("--refiner-height", type=int, default=None,
-                   help="add the refiner stage at this height in pixels (default 1088, or the "
-                   "--resolution preset's)")
-    p.add_argument("--refiner-width", type=int, default=None,
-                   help="refiner width in pixels (default 1920 when only the height is given)")
-    p.add_argument("--refiner-steps", type=int, default=None, help="refiner steps (default 5)")
+    flags.add(
+        p, "resolution", "refiner_height", "refiner_width", "refiner_steps",
+        resolution={"choices": sorted(RESOLUTIONS), "metavar": None, "help": "size preset of "
+                    "the request (replaces --height/--width; 1080p: the 540p preview and the "
+                    "refiner stage at 1920x1088)"},
+        refiner_height={"help": "add the refiner stage at this height in pixels (default "
+                        "1088, or the --resolution preset's)"},
+        refiner_width={"help": "refiner width in pixels (default 1920 when only the height "
+                       "is given)"},
+        refiner_steps={"help": "refiner steps (default 5)"})
     p.add_argument("--wide", action="store_true",
                    help="every column (attention heads, peers, expert and component bytes)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -306,14 +268,11 @@ def recommended_command(plan: LayoutPlan) -> str:
 
 def layout_argv(plan: LayoutPlan) -> list[str]:
     """`recommended_command`'s flags as a list."""
-    from headmoe.cli.compare import layout_flags
-    from headmoe.config import ParallelConfig
-
     par = plan.parallel
     if plan.moe_exchange != plan.auto_exchange:
         par = dataclasses.replace(par, moe_exchange=plan.moe_exchange)
-    defaults = _flag_groups(layout_flags(ParallelConfig()))
-    given = [g for g in _flag_groups(layout_flags(par)) if g[0] == "--nproc" or g not in defaults]
+    defaults = _flag_groups(flags.layout_argv(ParallelConfig()))
+    given = [g for g in _flag_groups(flags.layout_argv(par)) if g[0] == "--nproc" or g not in defaults]
     return [x for g in given for x in g]
 
 
@@ -507,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
     if image:
         request = dataclasses.replace(request, image_tokens=image_rows(
             *max_latent_size(args.shape["height"], args.shape["width"])))
-    stream = stream_settings(args, model.num_layers)
+    stream = check_stream(args.offload_layers, args.resident_layers, model.num_layers)
     if not args.h2d_gbps > 0:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,

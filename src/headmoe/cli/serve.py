@@ -1,8 +1,8 @@
 """`headmoe serve`: resident ranks and an HTTP video API (see docs/serving.md).
 
 The deployment flags (model, dtype, layout, ``--nproc``, ``--timeout``) are those of
-``headmoe generate`` and are checked by the same code (`headmoe.cli.generate.build_job`)
-before any rank starts; errors name the flags and exit with code 2. Then:
+``headmoe generate`` (`headmoe.cli.flags`) and are checked by the same code
+(`headmoe.deployment.build_deployment`, then one `admit`) before any rank starts; errors name the flags and exit with code 2. Then:
 
 - under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set) this process is one rank;
 - with one rank the server runs in this process;
@@ -16,7 +16,6 @@ SIGTERM (or Ctrl-C) drains: no new jobs, the current one finishes or is cancelle
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import socket
@@ -24,9 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from headmoe.admission import INPUT_FIELDS, admit
-from headmoe.errors import Refusal
-from headmoe.pipeline.request import DTYPES
+from headmoe.admission import admit
+from headmoe.cli import checks, flags
+from headmoe.deployment import build_deployment
+from headmoe.errors import Refusal, UserError
+from headmoe.serve.spec import ServeSpec
 
 #: a server's default ``--max-time``: a request estimated over an hour is refused (422)
 SERVE_MAX_TIME_S = 3600.0
@@ -34,10 +35,6 @@ SERVE_MAX_TIME_S = 3600.0
 
 def register(subparsers: Any) -> None:
     """Add the ``serve`` subcommand."""
-    from headmoe.cli.checks import add_memory_flag, add_time_flag
-    from headmoe.cli.generate import add_layout_flags
-    from headmoe.cli.plan import add_stream_arguments
-
     p = subparsers.add_parser(
         "serve",
         help="resident ranks behind an HTTP video API",
@@ -45,22 +42,18 @@ def register(subparsers: Any) -> None:
         "Request fields a client leaves out take the model's recipe (see 'headmoe generate "
         "--help'); docs/serving.md lists the fields and limits.",
     )
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (the default), a release folder or a checkpoint path")
-    p.add_argument("--model-config", default=None,
-                   help="transformer configuration: a preset or a JSON file (as generate)")
-    p.add_argument("--cache-dir", default="~/.cache/headmoe",
-                   help="where 'tiny' is written once (default: ~/.cache/headmoe)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="transformer dtype of every request (default: the model's recipe: "
-                   "fp32 for the tiny release; MAGI-2 Preview: bf16 on a GPU, fp32 on a CPU)")
-    add_layout_flags(p)
-    add_stream_arguments(p)
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local ranks (default: the layout's world size); not under torchrun")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds any collective may wait; a rank silent that long ends the "
-                   "server (default: 300)")
+    flags.add(
+        p, "model", "model_config", "cache_dir", "dtype", *flags.LAYOUT_FIELDS,
+        "offload_layers", "resident_layers", "nproc", "timeout",
+        model={"help": "'tiny' (the default), a release folder or a checkpoint path"},
+        model_config={"help": "transformer configuration: a preset or a JSON file (as "
+                      "generate)"},
+        cache_dir={"help": "where 'tiny' is written once (default: ~/.cache/headmoe)"},
+        dtype={"help": "transformer dtype of every request (default: the model's recipe: "
+               "fp32 for the tiny release; MAGI-2 Preview: bf16 on a GPU, fp32 on a CPU)"},
+        nproc={"help": "local ranks (default: the layout's world size); not under torchrun"},
+        timeout={"default": 300.0, "help": "seconds any collective may wait; a rank silent "
+                 "that long ends the server (default: 300)"})
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: "
                    "127.0.0.1)")
     p.add_argument("--port", type=int, default=8000,
@@ -76,24 +69,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets the current job run before cancelling it "
                    "(default: 30)")
-    add_memory_flag(p, "--memory-gib")
-    add_time_flag(p, SERVE_MAX_TIME_S)
+    flags.add(p, "max_memory_gib", "max_time",
+              max_memory_gib={"aliases": ("--memory-gib",)},
+              max_time={"default": SERVE_MAX_TIME_S, "help": flags.time_help(SERVE_MAX_TIME_S)})
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default: warning)")
     p.set_defaults(run=run)
 
 
-#: generate flags a server fixes for every request (its outputs are server-named files),
-#: and the smallest request, admitted at start: the model alone must fit the budget
-GENERATE_ONLY = {"overwrite": True, "check_weights": False, "prompt_file": None,
-                 "video_decoder": None, "offload": False,
-                 **{name: None for name in INPUT_FIELDS}, "prompt": "",
-                 "height": 16, "width": 16, "num_frames": 1, "image": None,
-                 "image_encoder": None}
+#: the smallest request, admitted at start: the model alone must fit the budget
+SMALLEST = {"prompt": "", "height": 16, "width": 16, "num_frames": 1}
 #: with the release's refiner/ (loaded at start too), the smallest request that runs it
-SMALLEST_REFINED = {"prompt": "", "height": 16, "width": 16, "num_frames": 1,
-                    "refiner_height": 16, "refiner_width": 16, "refiner_steps": 1}
+SMALLEST_REFINED = {**SMALLEST, "refiner_height": 16, "refiner_width": 16, "refiner_steps": 1}
 
 
 def _check_output_dir(value: str) -> str:
@@ -117,12 +105,11 @@ def _check_host(host: str) -> None:
                          "or 0.0.0.0") from None
 
 
-def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
-    """Validate every flag (generate's checks plus the server's) and build the `ServeSpec`
-    and the world size. Raises `ValueError` naming the flags."""
-    from headmoe.cli.generate import build, flagify
-    from headmoe.serve.spec import ServeSpec
-
+def build_spec(args: argparse.Namespace) -> tuple[ServeSpec, int]:
+    """Validate every flag (the deployment's, as generate's, plus the server's) and build
+    the `ServeSpec` and the world size: the `Deployment` (`build_deployment`) and one
+    `admit` of the smallest request (the weights alone must fit). Raises `ValueError`
+    naming the flags."""
     if args.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size must be 1 for serve, got {args.data_parallel_size}")
     output_dir = _check_output_dir(args.output_dir)
@@ -134,25 +121,23 @@ def build_spec(args: argparse.Namespace) -> tuple[Any, int]:
     if not 0 < args.drain_timeout < math.inf:
         raise ValueError(f"--drain-timeout must be > 0 seconds, got {args.drain_timeout!r}")
     _api_key(args)
-    gen = argparse.Namespace(**{**vars(args), **GENERATE_ONLY, "dtype": args.dtype,
-                                "output": "serve.mp4", "no_progress": True})
     try:
-        job, world, dep = build(gen)
-        if job.release is not None and job.release.refiner is not None:
-            # the refiner loads at start and stays: every request counts its weights
-            dep = dataclasses.replace(dep, resident_refiner=True)
-            admit(SMALLEST_REFINED, dep)  # both stages' weights must fit
+        dep = build_deployment(flags.options_of(args, image_encoder=None, server=True,
+                                                dtype=args.dtype))
+        # with refiner/ (loaded at start, it stays) both stages' weights must fit
+        admitted = admit(SMALLEST_REFINED if dep.has_refiner else SMALLEST, dep)
+        checks.check_weights(dep, False)
     except Refusal as exc:  # the smallest request: the model alone does not fit
         raise ValueError("the weights alone do not fit: "
-                         + flagify(exc.message, assignments_only=True)) from None
-    spec = ServeSpec(job.parallel, job.model_config, job.checkpoint, args.model,
-                     job.request.dtype, output_dir, args.host, args.port, args.api_key,
-                     args.max_queue, args.timeout, args.drain_timeout,
-                     dep.budget.limit, log_level=args.log_level, release=job.release,
-                     deployment=dep,
-                     offload_layers=job.offload_layers,
-                     resident_layers=job.resident_layers)
-    return spec, world
+                         + flags.as_flags(exc.message, assignments_only=True)) from None
+    except ValueError as exc:
+        kind = UserError if isinstance(exc, UserError) else ValueError
+        raise kind(flags.as_flags(str(exc))) from None
+    checks.print_admitted(admitted.notes, dep)
+    spec = ServeSpec(deployment=dep, output_dir=output_dir, host=args.host, port=args.port,
+                     api_key=args.api_key, max_queue=args.max_queue,
+                     drain_timeout_s=args.drain_timeout, log_level=args.log_level)
+    return spec, dep.parallel.world_size
 
 
 def _api_key(args: argparse.Namespace) -> None:

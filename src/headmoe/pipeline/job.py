@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from headmoe.config import ParallelConfig, is_number
+from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext, set_rank_threads
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.topology import is_output_coords
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput, Magi2Config
-from headmoe.models.streaming import split_layers
 from headmoe.numerics import numerics_record, require_reproducible_blas
+from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.health import (
     DECODER_HINT,
     check_media,
@@ -67,66 +67,66 @@ from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
 
-#: the shortest collective timeout (s): below it the ranks cannot even join the group
-MIN_TIMEOUT_S = 1.0
-#: the longest (s), a week: far longer ones overflow the clocks of the waits it bounds
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
-
-def check_timeout(value: float) -> None:
-    """The collective timeout's rule (`generate`, `serve`, `GenerateJob`): a number in
-    [`MIN_TIMEOUT_S`, `MAX_TIMEOUT_S`]; `ValueError` naming ``timeout``."""
-    if not (is_number(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):  # NaN too
-        raise ValueError(f"timeout must be at least {MIN_TIMEOUT_S:g} s (it also bounds "
-                         f"joining the ranks) and at most {MAX_TIMEOUT_S:g} s, got {value!r}")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerateJob:
-    """Everything a rank needs (picklable: it travels to spawned ranks).
+    """Everything a rank needs (picklable: it travels to spawned ranks): the `Deployment`
+    (model, layout, release, timeout, layer streaming), the admitted request (its
+    `GenerateRequest` and 1080p `RefinerStage`), the output and the I2V image.
 
-    ``model_config`` is a `Magi2Config`; ``checkpoint`` its weights (see `resolve_model`).
     ``output`` None computes and returns the hashes without writing files. ``components``
     is the factory that builds the job's components on each rank (a module-level function:
     the job travels to spawned ranks); the entry points pass
     `headmoe.release.components.magi2_components`, tests their own; None only for jobs whose
-    components are handed to `denoise` directly. ``release`` (a
-    `headmoe.release.folder.Release`) selects the release's text encoder and decoders;
-    None keeps the stand-ins of `headmoe.release.standins`."""
+    components are handed to `denoise` directly."""
 
+    deployment: Deployment
     request: GenerateRequest
-    parallel: ParallelConfig
-    model_config: Magi2Config
-    checkpoint: str
     output: str | None
-    timeout_s: float = 300.0
-    progress: bool = True
-    components: Callable[[ParallelContext, GenerateJob], Components] | None = None
-    release: ReleaseFolder | None = None
+    image: ReferenceImage | None = None
+    """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
+    pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
+    refiner: RefinerStage | None = None
+    """The 1080p refiner stage (the release's ``refiner/`` runs it after the preview);
+    None: the preview is the output."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts recorded in the sidecar (for example the launch command)."""
+    progress: bool = True
     check_layers: bool = False
     """Check every transformer layer's output for NaN/Inf (``--debug``)."""
     overwrite: bool = False
     """Replace existing output files; without it an output that appears while the job runs
     (another run's) is kept and the job fails (`headmoe.files.atomic_write`)."""
-    image: ReferenceImage | None = None
-    """Image-to-video: the `headmoe.pipeline.image.ReferenceImage` of the first frame (its
-    pixels needed on rank `placement.IMAGE_RANK` only), or None (text-to-video)."""
-    refiner: RefinerStage | None = None
-    """The 1080p refiner stage (a `headmoe.pipeline.refine.RefinerStage`; the release's
-    ``refiner/`` runs it after the preview); None: the preview is the output."""
-    offload_layers: bool = False
-    """Stream the transformer's layer weights from the checkpoint (``--offload-layers``,
-    `headmoe.models.streaming`); the first ``resident_layers`` layers stay resident."""
-    resident_layers: int = 0
+    components: Callable[[ParallelContext, GenerateJob], Components] | None = None
 
-    def __post_init__(self) -> None:
-        check_timeout(self.timeout_s)
-        if self.offload_layers:
-            split_layers(self.model_config.num_layers, self.resident_layers)
-        elif self.resident_layers:
-            raise ValueError(f"resident_layers={self.resident_layers!r} needs offload_layers")
+    # the deployment's fields the ranks read, by their old names
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.deployment.parallel
+
+    @property
+    def model_config(self) -> Magi2Config:
+        return self.deployment.model_config
+
+    @property
+    def checkpoint(self) -> str:
+        return self.deployment.checkpoint
+
+    @property
+    def release(self) -> ReleaseFolder | None:
+        return self.deployment.release
+
+    @property
+    def timeout_s(self) -> float:
+        return self.deployment.timeout_s
+
+    @property
+    def offload_layers(self) -> bool:
+        return self.deployment.offload_layers
+
+    @property
+    def resident_layers(self) -> int:
+        return self.deployment.resident_layers
 
 
 def encode_prompts(

@@ -3,7 +3,8 @@
 Layering (ARCHITECTURE.md section 6): serve imports pipeline, planner, distributed, models and
 config; only `headmoe.cli.serve` imports serve.
 
-- `spec`: `ServeSpec`, the deployment every rank receives (server-built, validated);
+- `spec`: `ServeSpec`, the `Deployment` and HTTP settings every rank receives (server-built,
+  validated);
 - `validate`: the HTTP request schema and its complete validation (the checks of
   ``headmoe generate`` plus the memory estimate) into a `GenerateRequest`;
 - `state`: `JobStore`, the thread-safe job table, queue and metrics of rank 0;

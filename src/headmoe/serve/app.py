@@ -132,7 +132,7 @@ async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, An
     req = admitted.request
     if data is None:
         return admitted, None
-    if spec.release is None or spec.release.image_encoder is None:
+    if spec.deployment.release is None or spec.deployment.release.image_encoder is None:
         raise RequestError(f"{param}: this server's model has no image encoder (a release "
                            "folder's vae/Wan2.2_VAE.pth)", param)
     return admitted, await _decode(request, spec, data, req, param)

@@ -102,8 +102,7 @@ def admit_body(body: VideoCreate, spec: ServeSpec, image: bool = False) -> Admit
                            "model out)", "model")
     given = body.model_dump(exclude={"model"}, exclude_none=True)
     try:
-        return admit(given, spec.deployment, GIVEN_BY_REQUEST, fixed={"dtype": spec.dtype},
-                     image=image)
+        return admit(given, spec.deployment, GIVEN_BY_REQUEST, image=image)
     except Refusal as exc:
         raise RequestError(exc.message, exc.field) from None
 

@@ -294,14 +294,15 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
     if world_size == 1:  # where launched ranks run (CUDA when available), as generate
-        ctx = ParallelContext.single(spec.parallel, device=rank_device())
+        ctx = ParallelContext.single(spec.deployment.parallel, device=rank_device())
     else:
-        ctx = ParallelContext.initialize(spec.parallel, rank=rank, world_size=world_size,
+        dep = spec.deployment
+        ctx = ParallelContext.initialize(dep.parallel, rank=rank, world_size=world_size,
                                          init_method=init_method,
-                                         timeout=timedelta(seconds=spec.timeout_s))
+                                         timeout=timedelta(seconds=dep.timeout_s))
     # with the release's refiner/ the template carries a stage, so the refiner loads now
-    template = spec.job(GenerateRequest(prompt="", dtype=spec.dtype), None, {},
-                        refiner=RefinerStage() if spec.has_refiner else None)
+    template = spec.job(GenerateRequest(prompt="", dtype=spec.deployment.dtype), None, {},
+                        refiner=RefinerStage() if spec.deployment.has_refiner else None)
     try:
         if leader is not None:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
@@ -329,4 +330,4 @@ def _announce(leader: Leader, load_s: float, ctx: ParallelContext) -> None:
     store.ready = True
     host, port = leader.sock.getsockname()[:2]
     print(f"headmoe serve: listening on http://{host}:{port} ({ctx.world_size} rank(s), "
-          f"model {leader.spec.model}, loaded in {load_s:.1f} s)", flush=True)
+          f"model {leader.spec.deployment.model}, loaded in {load_s:.1f} s)", flush=True)
