@@ -34,7 +34,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from headmoe.config import GIB, is_number
 from headmoe.deployment import stream_of
@@ -137,15 +137,15 @@ def _resolution(value: Any) -> tuple[int, int]:
     return RESOLUTIONS[REFINER_RESOLUTIONS.get(value, value)]
 
 
-def _refiner_field(name: str) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
+def _refiner_field(name: str) -> Callable[[object], int]:
+    def parse(value: object) -> int:
         from headmoe.pipeline.refine import RefinerStage
 
         try:
-            RefinerStage(**{name.removeprefix("refiner_"): value})
+            RefinerStage(**{name.removeprefix("refiner_"): value})  # type: ignore[arg-type]
         except ValueError as e:
             raise Refusal(name, value, str(e)) from None
-        return value
+        return cast(int, value)  # RefinerStage took it: an int
     return parse
 
 

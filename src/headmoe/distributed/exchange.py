@@ -151,7 +151,8 @@ def _to_heads(
     for n in layout.local_parts:
         # part rows [start, start+n) -> blocks for owners of this part, in shard order
         block = send[off : off + shards * n * row].view(shards, n, a, h, d)
-        block.copy_(x[start : start + n].unflatten(2, (shards, h)).permute(2, 0, 1, 3, 4))
+        part = x[start : start + n].unflatten(2, (shards, h))  # type: ignore[no-untyped-call]
+        block.copy_(part.permute(2, 0, 1, 3, 4))
         start, off = start + n, off + shards * n * row
     recv = _empty(ws, "scatter_recv", layout.owned_tokens * row, x)
     sent = [n * row for n in layout.send_counts]

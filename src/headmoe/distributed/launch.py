@@ -70,6 +70,14 @@ PR_SET_PDEATHSIG = 1
 LOOPBACK = "127.0.0.1"
 
 
+def _write_text(path: str, text: str) -> None:
+    Path(path).write_text(text)
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    Path(path).write_bytes(data)
+
+
 @dataclass(frozen=True)
 class RankEnv:
     """This process's place in a torchrun-style world."""
@@ -181,7 +189,7 @@ def write_error(folder: Path, rank: int, exc: BaseException) -> None:
     record = {"time": time.time(), "type": kind,
               "summary": f"{kind}: {message}" if message else kind,
               "traceback": traceback.format_exc()}
-    atomic_write(error_path(folder, rank), lambda tmp: Path(tmp).write_text(json.dumps(record)))
+    atomic_write(error_path(folder, rank), lambda tmp: _write_text(tmp, json.dumps(record)))
 
 
 @dataclass(frozen=True)
@@ -211,7 +219,7 @@ def read_error(folder: Path, rank: int, exitcode: int | None) -> RankError | Non
     return None
 
 
-def _rank_entry(fn: Callable[..., Any], args: tuple, rank: int, nproc: int, port: int,
+def _rank_entry(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, nproc: int, port: int,
                 folder: str) -> None:
     """A spawned rank: join the launcher's world (see the module doc), run ``fn(*args)``,
     record the result or the failure, exit 0 or 1."""
@@ -223,7 +231,7 @@ def _rank_entry(fn: Callable[..., Any], args: tuple, rank: int, nproc: int, port
     code = 0
     try:
         data = pickle.dumps(fn(*args))  # by value
-        atomic_write(result_path(out, rank), lambda tmp: Path(tmp).write_bytes(data))
+        atomic_write(result_path(out, rank), lambda tmp: _write_bytes(tmp, data))
     except BaseException as exc:  # noqa: BLE001 - the launcher reports it
         write_error(out, rank, exc)
         code = 1
@@ -243,7 +251,7 @@ class LocalRanks:
     ranks, leaving stops what still runs and removes the temp folder. ``deadline``: a
     `time.monotonic` time after which `wait` gives up (settable while waiting)."""
 
-    def __init__(self, fn: Callable[..., Any], nproc: int, args: tuple = (), *,
+    def __init__(self, fn: Callable[..., Any], nproc: int, args: tuple[Any, ...] = (), *,
                  name: str = "headmoe-rank"):
         if not is_int(nproc) or nproc < 1:
             raise ValueError(f"nproc must be a positive int, got {nproc!r}")
@@ -254,7 +262,7 @@ class LocalRanks:
         self._store: Any = None
 
     def __enter__(self) -> LocalRanks:
-        from torch.distributed import TCPStore
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         self.folder = Path(tempfile.mkdtemp(prefix="headmoe-launch-"))
         try:
@@ -352,7 +360,7 @@ class LocalRanks:
                             hung=hung)
 
 
-def launch_local(fn: Callable[..., Any], nproc: int, args: tuple = (), *,
+def launch_local(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...] = (), *,
                  timeout: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` spawned local ranks (`LocalRanks`); their return
     values in rank order. Raises `ValueError` for ``nproc < 1``, `LaunchFailure` if any

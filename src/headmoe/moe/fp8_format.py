@@ -39,7 +39,8 @@ class Fp8Experts(ExpertWeights):
         """`{name: (shape, dtype)}`; `dtype` (the model's) is the activations', unused."""
         values = {"W_gate": (rows, head_dim, inner), "W_up": (rows, head_dim, inner),
                   "W_down": (rows, inner, head_dim)}  # fmt: skip
-        out = {n: (s, FP8_DTYPE) for n, s in values.items()}
+        out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            n: (s, FP8_DTYPE) for n, s in values.items()}
         out.update({n + SCALE_SUFFIX: ((s[0], s[2]), torch.float32) for n, s in values.items()})
         return out
 

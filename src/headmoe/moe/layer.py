@@ -80,6 +80,8 @@ class MoERouter(nn.Module):
 
     def __init__(self, rows: int):
         super().__init__()
+        self.expert_bias: torch.Tensor
+        self.expert_bias_ema: torch.Tensor
         self.register_buffer("expert_bias", torch.zeros(rows))
         self.register_buffer("expert_bias_ema", torch.zeros(rows))
 

@@ -44,7 +44,9 @@ def native_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _check_args(z, experts, weights, w_gate, w_up, w_down, tiles: MoETiles) -> None:
+def _check_args(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                w_gate: Fp8Weight, w_up: Fp8Weight, w_down: Fp8Weight,
+                tiles: MoETiles) -> None:
     """ValueError naming the first argument of `experts_triton_fp8` that does not fit."""
     _check_float("z", z, 3)
     n, h, d = z.shape
@@ -60,7 +62,8 @@ def _check_args(z, experts, weights, w_gate, w_up, w_down, tiles: MoETiles) -> N
                          f"d_expert={w_gate.shape[2]} of tiles.down_k={tiles.down_k}")  # fmt: skip
 
 
-def _padded_rows(experts: torch.Tensor, groups: int, h: int, block_m: int):
+def _padded_rows(experts: torch.Tensor, groups: int, h: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The group schedule of the routes and where each lands: `(tile_group, tile_rows,
     src, pos)`; src `[P]` int64 token of every padded row (P = T*block_m), pos `[N*h*k]`
     int64 padded row of every route, flat `[N, h, k]` order (see `group_schedule`)."""

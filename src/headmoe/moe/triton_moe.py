@@ -170,7 +170,9 @@ def group_schedule(
     return tile_group.to(torch.int32), tile_rows.to(torch.int32), order, row
 
 
-def _check_experts_args(z, experts, weights, w_gate, w_up, w_down, tiles) -> None:
+def _check_experts_args(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                        tiles: MoETiles) -> None:
     """ValueError naming the first argument of `experts_triton` with a bad shape or dtype."""
     _check_float("z", z, 3)
     n, h, d = z.shape

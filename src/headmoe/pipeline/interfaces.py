@@ -95,18 +95,18 @@ class Refiner:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[Magi2Refiner]:
-        moves = self.offload and self.idle is not None
+        idle = self.idle if self.offload else None
         if self.offload:
-            if moves:
-                self.idle.to("cpu")
+            if idle is not None:
+                idle.to("cpu")
             self.model.to(self.device)
         try:
             yield self.model
         finally:
             if self.offload:
                 self.model.to("cpu")
-                if moves:
-                    self.idle.to(self.device)
+                if idle is not None:
+                    idle.to(self.device)
 
 
 @dataclass
