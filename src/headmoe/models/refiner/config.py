@@ -10,8 +10,8 @@ section (the `arch` object of golden/magi2_refiner/config.json).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
 from collections.abc import Iterable
+from dataclasses import dataclass, fields, replace
 from typing import cast
 
 from headmoe.config import ParallelConfig, check_positive_int, is_int

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headmoe.layers.range_attention import RangePlan
+from headmoe.layers.range_plan import RangePlan
 from headmoe.models.magi2.config import TEXT, VIDEO
 from headmoe.models.magi2.packing import branch_coords
 from headmoe.models.refiner.config import Magi2RefinerConfig
