@@ -194,7 +194,8 @@ class MoEMLP(nn.Module):
         shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n)))
         h = self.modality_specific_shared_expert_fc1(n, plan.groups)
         modal = self.modality_specific_shared_expert_fc2(swiglu7(h), plan.groups)
-        return routed + shared + modal
+        out: torch.Tensor = routed + shared + modal
+        return out
 
 
 class Magi2Layer(nn.Module):
