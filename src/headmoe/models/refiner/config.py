@@ -10,9 +10,9 @@ section (the `arch` object of golden/magi2_refiner/config.json).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import cast
+from typing import TypedDict, cast
 
 from headmoe.config import ParallelConfig, check_positive_int, is_int
 from headmoe.models.magi2.config import PARAMS_DTYPES, TransformerShape, config_from_json
@@ -169,7 +169,18 @@ def _from_upstream(data: dict[str, object], name: str) -> Magi2RefinerConfig:
 #: section 2): its steps, shift, text guidance and re-noise index; `headmoe.pipeline.refine`
 #: runs them. A nested config must have these values; its other evaluation fields (the
 #: preview's recipe, the audio guidance the refiner does not use) are read and not used.
-RELEASED_EVALUATION: dict[str, object] = {
+class ReleasedEvaluation(TypedDict):
+    """The keys and value types of `RELEASED_EVALUATION`."""
+
+    magi2_refiner_num_inference_steps: int
+    magi2_refiner_shift: float
+    magi2_refiner_video_txt_guidance_scale: float
+    magi2_refiner_noise_value: int
+    magi2_refiner_vae_stride: list[int]
+    magi2_refiner_patch_size: list[int]
+
+
+RELEASED_EVALUATION: ReleasedEvaluation = {
     "magi2_refiner_num_inference_steps": 5, "magi2_refiner_shift": 5.0,
     "magi2_refiner_video_txt_guidance_scale": 2.0, "magi2_refiner_noise_value": 220,
     "magi2_refiner_vae_stride": [4, 16, 16], "magi2_refiner_patch_size": [1, 1, 1],
@@ -195,7 +206,7 @@ _DATA_PROXY_UNUSED = {"frame_receptive_field", "attn_config.window.win_size",
                       "attn_config.window.auto_range_merge", "attn_config.window.sparse_load"}
 
 
-def _check_section(data: object, released: dict[str, object], unused: set[str], path: str) -> None:
+def _check_section(data: object, released: Mapping[str, object], unused: set[str], path: str) -> None:
     """Every field of ``data`` is a released one with its value, or a known unused one."""
     if not isinstance(data, dict):
         raise ValueError(f"refiner config field {path} must be a JSON object, "
