@@ -77,11 +77,11 @@ def row_plan_fields(
     """The `RowPlan` fields of this rank for packed `modality` `[T]` int64 and rotary
     `coords` `[T, 3]` (host tensors), `bands` `[B]` fp32 (host only, no collective)."""
     lo, hi = sp_rows(counts, ctx.coords.sp)
-    local = modality[lo:hi].to(device)
+    host = modality[lo:hi]
+    groups = [g.to(device) for g in modality_groups(host)]  # on the host: no device sync
     cos, sin = split_table(rope_table(coords[lo:hi], bands.cpu()))
-    return dict(parallel=parallel_plan(ctx, counts, dispatch), modality=local,
-                groups=modality_groups(local), cos=cos.to(device), sin=sin.to(device),
-                schedule=schedule)
+    return dict(parallel=parallel_plan(ctx, counts, dispatch), modality=host.to(device),
+                groups=groups, cos=cos.to(device), sin=sin.to(device), schedule=schedule)
 
 
 def embed_rows(embedders: Sequence[Linear], x: torch.Tensor, groups: list[torch.Tensor],
