@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -29,6 +29,24 @@ if TYPE_CHECKING:
     from headmoe.pipeline.interfaces import TextEncoder
 
 BRANCHES = ("conditional", "unconditional")
+
+
+class TextTokens(TypedDict):
+    """An encoder's report on one text (its ``encode_with_report``): ``tokens`` before
+    truncation, ``kept`` after it, ``truncated``."""
+
+    tokens: int
+    kept: int
+    truncated: bool
+
+
+class TextReport(TypedDict):
+    """`text_report`: tokens kept and truncation per text, the encoder's limit (None: none
+    reported)."""
+
+    text_tokens: list[int]
+    text_truncated: list[bool]
+    text_max_tokens: int | None
 _HINT = ("check the checkpoint with --check-weights, or rerun with --debug to find the first "
          "layer")
 #: after a decoder: the latents were finite, so the decoder's weights are the cause it sees
@@ -66,9 +84,10 @@ def check_step(step: int, steps: int, preds: Sequence[tuple[torch.Tensor, torch.
                 )
 
 
-def check_media(stage: str, hint: str = _HINT, **tensors: torch.Tensor) -> None:
+def check_media(stage: str, hint: str = _HINT, /, **tensors: torch.Tensor) -> None:
     """Raise `NonFiniteError` naming ``stage`` and the tensor if one holds a NaN or Inf
-    (``hint``: what to do, by default the transformer's)."""
+    (``hint``: what to do, by default the transformer's; both positional, so that any
+    tensor name is free)."""
     for name, x in tensors.items():
         kind = _bad(x) if x.is_floating_point() else None
         if kind:
@@ -78,9 +97,9 @@ def check_media(stage: str, hint: str = _HINT, **tensors: torch.Tensor) -> None:
 def watch_layers(model: nn.Module) -> list[RemovableHandle]:
     """Forward hooks on ``model.block.layers`` raising `NonFiniteError` at the first layer
     whose output is not finite; returns the hook handles (``.remove()`` them when done)."""
-    handles = []
+    handles: list[RemovableHandle] = []
     for i, layer in enumerate(getattr(getattr(model, "block", None), "layers", ())):
-        def hook(module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor,
+        def hook(module: nn.Module, inputs: tuple[object, ...], output: torch.Tensor,
                  index: int = i) -> None:
             kind = _bad(output)
             if kind:
@@ -94,24 +113,25 @@ def watch_layers(model: nn.Module) -> list[RemovableHandle]:
 
 
 def text_report(encoder: TextEncoder, texts: Sequence[str], features: Sequence[torch.Tensor],
-                counts: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+                counts: Sequence[TextTokens] | None = None) -> TextReport:
     """``{"text_tokens": [kept per text], "text_truncated": [bool per text],
     "text_max_tokens": limit or None}`` from what the encoder reports: `counts` (its
     ``encode_with_report`` dicts with "kept" and "truncated"), else its ``max_tokens`` and
     ``token_count(text)`` (tokens before truncation) or a ``tokenize`` returning
     ``(ids, count)``; an encoder reporting neither is taken as not truncating."""
-    limit = getattr(encoder, "max_tokens", None)
+    limit: int | None = getattr(encoder, "max_tokens", None)
     if counts is not None:
         return {"text_tokens": [int(c["kept"]) for c in counts],
                 "text_truncated": [bool(c["truncated"]) for c in counts],
                 "text_max_tokens": limit}
-    kept, truncated = [], []
+    kept: list[int] = []
+    truncated: list[bool] = []
     for text, feat in zip(texts, features):
-        count = None
-        if callable(getattr(encoder, "token_count", None)):
-            count = encoder.token_count(text)
-        elif callable(getattr(encoder, "tokenize", None)):
-            got = encoder.tokenize(text)
+        count = None  # token_count / tokenize: optional, not in the TextEncoder protocol
+        if callable(token_count := getattr(encoder, "token_count", None)):
+            count = token_count(text)
+        elif callable(tokenize := getattr(encoder, "tokenize", None)):
+            got = tokenize(text)
             if isinstance(got, tuple) and len(got) == 2:
                 count = got[1]
         kept.append(int(feat.shape[0]))
@@ -119,7 +139,7 @@ def text_report(encoder: TextEncoder, texts: Sequence[str], features: Sequence[t
     return {"text_tokens": kept, "text_truncated": truncated, "text_max_tokens": limit}
 
 
-def warn_truncated(report: dict[str, Any]) -> None:
+def warn_truncated(report: TextReport) -> None:
     """One warning line on stderr per truncated prompt."""
     for name, cut, kept in zip(("--prompt", "--negative-prompt"), report["text_truncated"],
                                report["text_tokens"]):

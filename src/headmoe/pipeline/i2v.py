@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 if TYPE_CHECKING:
     from headmoe.pipeline.image import ReferenceImage
-    from headmoe.pipeline.interfaces import Components
+    from headmoe.pipeline.interfaces import Components, FigureTextEncoder
 
 #: the marker of the (single) reference image
 FIGURE_TOKEN = "<Figure 1>"
@@ -102,5 +102,6 @@ def image_condition(parts: Components, image: ReferenceImage, prompt: str, featu
         raise ValueError("this model has no image encoder (a release folder's "
                          "vae/Wan2.2_VAE.pth); image-to-video needs one")
     latent = parts.image_encoder.encode(image)
-    indices = parts.text_encoder.figure_indices(prompt)
+    # an image model's text encoder finds the marker (`FigureTextEncoder`)
+    indices = cast("FigureTextEncoder", parts.text_encoder).figure_indices(prompt)
     return ImageCondition(latent, pool_figure_token(features, indices, dtype))

@@ -33,11 +33,12 @@ numbers: ``golden/magi2_pipeline/`` section (d), checked by tests/pipeline/test_
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import io
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
 
 import numpy as np
 
@@ -71,6 +72,32 @@ class ImageTooLarge(ImageError):
     """More bytes than `MAX_IMAGE_BYTES` (HTTP 413)."""
 
 
+class ImageFacts(TypedDict):
+    """What `open_image` reads of a file (the `ReferenceImage` fields it sets)."""
+
+    sha256: str
+    bytes: int
+    format: str
+    mode: str
+    frames: int
+    source_size: NotRequired[tuple[int, int]]
+    """Set once the image has decoded."""
+
+
+class ImageDescription(TypedDict):
+    """`ReferenceImage.describe`: every field but the pixels, ``source_size`` as a list."""
+
+    sha256: str
+    bytes: int
+    source_size: list[int]
+    format: str
+    mode: str
+    frames: int
+    long_side: int
+    height: int
+    width: int
+
+
 @dataclass(frozen=True)
 class ReferenceImage:
     """An opened, checked and preprocessed reference image.
@@ -91,24 +118,26 @@ class ReferenceImage:
     long_side: int
     height: int
     width: int
-    pixels: bytes | None = field(default=None, repr=False, compare=False)
+    # builtins.: the field ``bytes`` above shadows the type in the class body
+    pixels: builtins.bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def latent_size(self) -> tuple[int, int]:
         """``(h, w)`` of the encoded latent: the preprocessed size / 16."""
         return self.height // 16, self.width // 16
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ImageDescription:
         """What the sidecar and the ranks' JSON carry (everything but the pixels)."""
         d = asdict(self)
         d.pop("pixels")
         d["source_size"] = list(self.source_size)
-        return d
+        return cast(ImageDescription, d)  # asdict's keys are the fields
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ReferenceImage:
+    def from_dict(cls, d: ImageDescription) -> ReferenceImage:
         """Inverse of `describe` (no pixels)."""
-        return cls(**{**d, "source_size": tuple(d["source_size"])})
+        fields: dict[str, object] = {**d, "source_size": tuple(d["source_size"])}
+        return cls(**fields)  # type: ignore[arg-type]  # describe()'s keys: every field but pixels
 
     def pixels_uint8(self) -> torch.Tensor:
         """``[height, width, 3]`` uint8 (a copy)."""
@@ -234,7 +263,7 @@ def _over_budget(size: tuple[int, int], decoded: tuple[int, int], what: str) -> 
                       f"{MAX_DECODE_BYTES >> 20} MiB accepted (refused before decoding)")
 
 
-def check_bytes(data: Any, what: str) -> None:
+def check_bytes(data: object, what: str) -> None:
     """The file-level checks: bytes, not empty, at most `MAX_IMAGE_BYTES` (`ImageTooLarge`)."""
     if not isinstance(data, bytes | bytearray):
         raise ImageError(f"{what} must be bytes, got {type(data).__name__}")
@@ -246,7 +275,7 @@ def check_bytes(data: Any, what: str) -> None:
 
 
 def open_image(data: bytes, what: str = "the image", long_side: int | None = None
-               ) -> tuple[PILImage, dict[str, Any]]:
+               ) -> tuple[PILImage, ImageFacts]:
     """``(RGB PIL image, facts)`` of the file ``data`` after every check of the module doc;
     facts: ``sha256``, ``bytes``, ``format``, ``mode``, ``frames``, ``source_size`` (of the
     decode: a JPEG past `MAX_DECODE_BYTES` decodes at reduced size for ``long_side``).
@@ -264,8 +293,10 @@ def open_image(data: bytes, what: str = "the image", long_side: int | None = Non
     except Exception:  # noqa: BLE001 - Pillow raises many kinds for unknown data
         raise _unidentified(bytes(data[:32]), what) from None
     _check_header(img, what)
-    facts = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-             "format": img.format, "mode": img.mode, "frames": int(getattr(img, "n_frames", 1))}
+    fmt = cast(str, img.format)  # one of FORMATS: Image.open(formats=FORMATS) names it
+    facts: ImageFacts = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                         "format": fmt, "mode": img.mode,
+                         "frames": int(getattr(img, "n_frames", 1))}
     _check_decode_budget(img, what, long_side)
     try:
         img.load()  # frame 0; a truncated file raises here

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO, cast
 
 from headmoe.pipeline.image import (
     MAX_DECODE_BYTES,
@@ -66,7 +67,7 @@ def prepare_isolated(data: bytes, height: int, width: int, what: str = "the imag
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        for pipe in (proc.stdin, proc.stdout):
+        for pipe in _pipes(proc):
             pipe.close()
     return _reply(out, proc.returncode, what)
 
@@ -91,21 +92,28 @@ class ImageCancelled(ImageError):
     """The decode was abandoned because its requester went away."""
 
 
-def _communicate(proc: subprocess.Popen, data: bytes, limit: float,
+def _pipes(proc: subprocess.Popen[bytes]) -> tuple[IO[bytes], IO[bytes]]:
+    """The child's stdin and stdout (both exist: it is started with ``stdin=PIPE,
+    stdout=PIPE``)."""
+    return cast(IO[bytes], proc.stdin), cast(IO[bytes], proc.stdout)
+
+
+def _communicate(proc: subprocess.Popen[bytes], data: bytes, limit: float,
                  cancelled: threading.Event | None, what: str) -> bytes:
     """Feed ``data`` to the child and collect its reply (threads: a pipe never blocks the
     deadline); raise once ``limit`` passes or ``cancelled`` is set (the caller kills it)."""
     out: list[bytes] = []
+    stdin, stdout = _pipes(proc)
 
     def feed() -> None:
         try:
-            proc.stdin.write(data)
-            proc.stdin.close()
+            stdin.write(data)
+            stdin.close()
         except (OSError, ValueError):  # the child died (or was killed) before reading everything
             pass
 
     threads = [threading.Thread(target=feed, daemon=True),
-               threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)]
+               threading.Thread(target=lambda: out.append(stdout.read()), daemon=True)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + limit
@@ -155,6 +163,7 @@ def main(argv: list[str]) -> int:
     height, width, what = int(argv[0]), int(argv[1]), argv[2]
     data = sys.stdin.buffer.read()
     _cap_memory()
+    head: dict[str, object]
     try:
         ref = prepare_image(data, height, width, what)
     except ImageError as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -30,6 +30,15 @@ class TextEncoder(Protocol):
 
     def encode(self, text: str) -> torch.Tensor:
         """Features ``[L_text, out_channels]`` fp32 on CPU, ``L_text >= 1`` (also for "")."""
+        ...
+
+
+class FigureTextEncoder(TextEncoder, Protocol):
+    """The text encoder of an image-to-video model: also finds the image marker."""
+
+    def figure_indices(self, text: str) -> list[int]:
+        """Token indices of the ``<Figure 1>`` marker in ``text`` as the encoder tokenizes
+        it (`headmoe.pipeline.i2v.figure_token_indices`), the same on every rank."""
         ...
 
 
@@ -135,5 +144,5 @@ class ReleaseFolder(Protocol):
     def refiner(self) -> str | None:
         """The refiner checkpoint under ``refiner/`` (None: the folder has none)."""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """What the sidecar records about the folder."""

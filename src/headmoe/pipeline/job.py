@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no types (types-tqdm)
 
 from headmoe.config import ParallelConfig
 from headmoe.distributed.context import ParallelContext, set_rank_threads
@@ -46,6 +46,7 @@ from headmoe.numerics import numerics_record, require_reproducible_blas
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.health import (
     DECODER_HINT,
+    TextTokens,
     check_media,
     check_step,
     text_report,
@@ -53,7 +54,7 @@ from headmoe.pipeline.health import (
 )
 from headmoe.pipeline.i2v import ImageCondition, ensure_figure_token, image_condition
 from headmoe.pipeline.image import ReferenceImage
-from headmoe.pipeline.interfaces import Components, ReleaseFolder, TextEncoder
+from headmoe.pipeline.interfaces import Components, Refiner, ReleaseFolder, TextEncoder
 from headmoe.pipeline.latents import frame_count
 from headmoe.pipeline.media import (
     quantize_audio,
@@ -89,7 +90,7 @@ class GenerateJob:
     refiner: RefinerStage | None = None
     """The 1080p refiner stage (the release's ``refiner/`` runs it after the preview);
     None: the preview is the output."""
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
     """Free-form facts recorded in the sidecar (for example the launch command)."""
     progress: bool = True
     check_layers: bool = False
@@ -131,7 +132,7 @@ class GenerateJob:
 
 def encode_prompts(
     encoder: TextEncoder, prompts: Sequence[str], device: torch.device
-) -> tuple[list[torch.Tensor], list[dict[str, Any]] | None]:
+) -> tuple[list[torch.Tensor], list[TextTokens] | None]:
     """Features ``[L_i, C]`` of each prompt on ``device`` and, when the encoder reports
     them (``encode_with_report``), the token counts ``{"tokens", "kept", "truncated"}``."""
     report = getattr(encoder, "encode_with_report", None)
@@ -141,14 +142,39 @@ def encode_prompts(
     return [f.to(device) for f, _ in pairs], [r for _, r in pairs]
 
 
-def output_path(output: str | os.PathLike, dp_index: int, dp_size: int) -> Path:
+def output_path(output: str | os.PathLike[str], dp_index: int, dp_size: int) -> Path:
     """``output`` for one DP group, ``<stem>.dp<k><suffix>`` for group k of several."""
     p = Path(output)
     return p if dp_size == 1 else p.with_name(f"{p.stem}.dp{dp_index}{p.suffix}")
 
 
 # ---------------------------------------------------------------------- the job
-def run_job(ctx: ParallelContext, job: GenerateJob) -> dict[str, Any]:
+class JobResult(TypedDict):
+    """What `run_job` returns on each rank (the hashes, output and sidecar: None off the
+    DP group's writer; output and sidecar None without an output path)."""
+
+    rank: int
+    dp_index: int
+    seed: int
+    video_sha256: str | None
+    audio_sha256: str | None
+    output: str | None
+    sidecar: str | None
+    step_times_s: list[float]
+
+
+class RankInfo(TypedDict):
+    """One rank's facts for the sidecar, all-gathered after the steps (`_gather_infos`)."""
+
+    rank: int
+    dp: int
+    step_times_s: list[float]
+    refine_step_times_s: list[float] | None
+    counters: dict[str, object]
+    text_encoder_runs: int | None
+
+
+def run_job(ctx: ParallelContext, job: GenerateJob) -> JobResult:
     """Run ``job`` on this rank of ``ctx`` (every rank of the world calls it together).
 
     Returns ``{"rank", "dp_index", "seed", "video_sha256", "audio_sha256", "output",
@@ -213,9 +239,9 @@ def draw_noise(ctx: ParallelContext, req: GenerateRequest, parts: Components) ->
                   xa[0].to(ctx.device), req.audio_samples(parts.audio_decoder.sample_rate), gen)
     if req.noise_device != "cpu" and ctx.world_size > 1:
         digest = tensor_sha256(torch.cat([noise.video.reshape(-1), noise.audio.reshape(-1)]))
-        infos: list[Any] = [None] * ctx.world_size
+        infos: list[tuple[int, str] | None] = [None] * ctx.world_size
         dist.all_gather_object(infos, (ctx.coords.dp, digest))
-        check_same_noise(infos, req.noise_device)
+        check_same_noise(cast(list[tuple[int, str]], infos), req.noise_device)  # all filled
     return noise
 
 
@@ -289,7 +315,9 @@ def refine(
     refined latent ``[2T - 1, H', W', C]`` and the step times, with a progress bar like the
     preview's. ``on_step`` sees the steps of both stages counted together (a server's job
     progress)."""
-    stage, n = job.refiner, job.request.num_inference_steps
+    # called for a job with a refiner stage, whose components hold the refiner
+    stage, n = cast(RefinerStage, job.refiner), job.request.num_inference_steps
+    refiner, generator = cast(Refiner, parts.refiner), cast(torch.Generator, noise.generator)
     total = n + stage.steps
     bar = tqdm(total=stage.steps, desc=f"refining {stage.width}x{stage.height}", unit="step",
                disable=not (job.progress and ctx.rank == 0))
@@ -300,18 +328,19 @@ def refine(
             on_step(n + done, total)
 
     try:
-        with parts.refiner.active() as model:
-            return refine_stage(ctx, model, xv, texts, noise.generator, stage.height,
+        with refiner.active() as model:
+            return refine_stage(ctx, model, xv, texts, generator, stage.height,
                                 stage.width, stage.steps, step)
     finally:
         bar.close()
 
 
-def refiner_record(stage: Any, latent: torch.Tensor, infos: list[dict[str, Any]], dp: int
-                   ) -> dict[str, Any]:
+def refiner_record(stage: RefinerStage, latent: torch.Tensor, infos: list[RankInfo], dp: int
+                   ) -> dict[str, object]:
     """The sidecar's ``refiner`` object: the stage's fields, its latent shape and every
     rank's refiner step times."""
-    per_rank = {str(x["rank"]): x["refine_step_times_s"] for x in infos if x["dp"] == dp}
+    per_rank = {str(x["rank"]): cast(list[float], x["refine_step_times_s"])  # every rank refined
+                for x in infos if x["dp"] == dp}
     return {**stage.to_dict(), "latent": list(latent.shape),
             "step_times_s": {"per_rank": per_rank,
                              "max": [max(ts) for ts in zip(*per_rank.values())]}}
@@ -319,17 +348,17 @@ def refiner_record(stage: Any, latent: torch.Tensor, infos: list[dict[str, Any]]
 
 def _gather_infos(ctx: ParallelContext, step_times: list[float],
                   refine_times: list[float] | None = None,
-                  text_runs: int | None = None) -> list[dict[str, Any]]:  # fmt: skip
+                  text_runs: int | None = None) -> list[RankInfo]:  # fmt: skip
     """Every rank's step times (preview and refiner), counters and text-encoder runs (None:
     the encoder does not count them), in one all-gather of small host objects."""
-    mine = {"rank": ctx.rank, "dp": ctx.coords.dp, "step_times_s": step_times,
-            "refine_step_times_s": refine_times, "counters": ctx.counters.summary(),
-            "text_encoder_runs": text_runs}
+    mine: RankInfo = {"rank": ctx.rank, "dp": ctx.coords.dp, "step_times_s": step_times,
+                      "refine_step_times_s": refine_times, "counters": ctx.counters.summary(),
+                      "text_encoder_runs": text_runs}
     if ctx.world_size == 1:
         return [mine]
-    infos: list[Any] = [None] * ctx.world_size
+    infos: list[RankInfo | None] = [None] * ctx.world_size
     dist.all_gather_object(infos, mine)
-    return infos
+    return cast(list[RankInfo], infos)  # every rank's slot filled
 
 
 def decode(parts: Components, req: GenerateRequest, xv: torch.Tensor, xa: torch.Tensor,
@@ -351,7 +380,7 @@ def run_request(
     *,
     on_step: Callable[[int, int], None] | None = None,
     t_start: float | None = None,
-) -> dict[str, Any]:
+) -> JobResult:
     """`run_job` with prebuilt ``parts`` (see `build_components`). ``on_step(done, total)``
     runs on every rank after each denoising step; whatever it raises aborts the request
     before anything is written (for cancellation it must decide the same on every rank).
@@ -372,8 +401,9 @@ def run_request(
         num_frames, fps = frame_count(xv.shape[0]), req.fps * REFINER_FPS_FACTOR
     infos = _gather_infos(ctx, step_times, refine_times,
                           getattr(parts.text_encoder, "runs", None))
-    result = {"rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
-              "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
+    result: JobResult = {
+        "rank": ctx.rank, "dp_index": coords.dp, "seed": noise.seed, "video_sha256": None,
+        "audio_sha256": None, "output": None, "sidecar": None, "step_times_s": step_times}
     if not is_output_coords(coords):
         return result
     frames, audio = decode(parts, req, xv, xa, noise.num_samples, num_frames)
@@ -388,7 +418,7 @@ def run_request(
     side = _sidecar(ctx, job, parts, noise, frames, audio, infos, text, result)
     if job.refiner is not None:
         side["refiner"] = refiner_record(job.refiner, xv, infos, coords.dp)
-        side["media"]["fps"] = fps
+        cast(dict[str, object], side["media"])["fps"] = fps
     write_outputs(out, side, frames, audio, fps, parts.audio_decoder.sample_rate, t_start,
                   overwrite=job.overwrite)
     result["output"], result["sidecar"] = str(out), str(sidecar_path(out))
@@ -396,8 +426,8 @@ def run_request(
 
 
 def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: Noise,
-             frames: torch.Tensor, audio: torch.Tensor, infos: list[dict[str, Any]],
-             text: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+             frames: torch.Tensor, audio: torch.Tensor, infos: list[RankInfo],
+             text: dict[str, object], result: JobResult) -> dict[str, object]:
     """The JSON sidecar of one DP group's output (docs/pipeline.md lists the fields)."""
     req, topo, coords = job.request, ctx.topology, ctx.coords
     group = [x for x in infos if x["dp"] == coords.dp]
@@ -434,7 +464,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
     }
 
 
-def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: torch.Tensor,
+def write_outputs(out: Path, side: dict[str, object], frames: torch.Tensor, audio: torch.Tensor,
                   fps: float, sample_rate: int, t_start: float, *,
                   overwrite: bool = False) -> None:
     """Step 4: the mp4 and its sidecar, each atomically; neither file of this run stays if
@@ -452,7 +482,7 @@ def write_outputs(out: Path, side: dict[str, Any], frames: torch.Tensor, audio: 
 
 
 # ---------------------------------------------------------------------- rank entry points
-def launched_rank(job: GenerateJob) -> dict[str, Any]:
+def launched_rank(job: GenerateJob) -> JobResult:
     """Entry point of a rank started by `launch_local` or torchrun: joins the world from
     the environment (Gloo on CPU, NCCL on GPU with device LOCAL_RANK; on CPU
     `set_rank_threads`: the available cores // LOCAL_WORLD_SIZE torch threads), with
@@ -476,7 +506,7 @@ def launched_rank(job: GenerateJob) -> dict[str, Any]:
         ctx.destroy()
 
 
-def run_jobs(rank: int, world_size: int, jobs: Sequence[GenerateJob]) -> list[dict[str, Any]]:
+def run_jobs(rank: int, world_size: int, jobs: Sequence[GenerateJob]) -> list[JobResult]:
     """`run_ranks` entry: run ``jobs`` one after another on an initialised default group
     (each job's layout must span ``world_size`` ranks); returns `run_job`'s results."""
     results = []

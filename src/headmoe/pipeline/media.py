@@ -12,7 +12,7 @@ import hashlib
 import json
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 import av
 import numpy as np
@@ -83,7 +83,7 @@ def write_mp4(
     atomic_write(path, write, overwrite=overwrite)
 
 
-def write_sidecar(path: str | Path, data: dict[str, Any], *, overwrite: bool = True) -> None:
+def write_sidecar(path: str | Path, data: dict[str, object], *, overwrite: bool = True) -> None:
     """Write ``data`` as indented JSON to ``path``, atomically (see `write_mp4`)."""
 
     def write(tmp: str) -> None:
@@ -100,7 +100,7 @@ def read_mp4(path: str | Path) -> tuple[np.ndarray, np.ndarray, float, int]:
     with av.open(str(path)) as container:
         vs, as_ = container.streams.video[0], container.streams.audio[0]
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(vs)]
-        fps = float(vs.average_rate)
+        fps = float(cast(Fraction, vs.average_rate))  # a written mp4's video stream has one
         container.seek(0)
         chunks = [f.to_ndarray() for f in container.decode(as_)]
         rate = as_.rate

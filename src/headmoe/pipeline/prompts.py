@@ -35,7 +35,11 @@ ends up blank is left out):
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 #: the released extra pre-tokenizer pattern, character for character (103 characters; a
 #: Python raw string: ``\\u`` and ``\\U`` reach the regex engine unescaped)
@@ -50,11 +54,18 @@ _ACTION = ("primary_action", "interaction", "facial_expression")
 _STATE = ("state_change", "motion_detail")
 
 
-def _is_empty(value: Any) -> bool:
+class FastTokenizer(Protocol):
+    """What `add_released_split` uses of a ``transformers`` fast tokenizer."""
+
+    @property
+    def backend_tokenizer(self) -> Tokenizer: ...
+
+
+def _is_empty(value: object) -> bool:
     return value is None or value == [] or value == {}
 
 
-def _drop_empty(value: Any) -> Any:
+def _drop_empty(value: object) -> object:
     """``value`` without empty dict entries (None, [] or {} after this cleaning) and without
     None list items, at every depth."""
     if isinstance(value, dict):
@@ -65,30 +76,35 @@ def _drop_empty(value: Any) -> Any:
     return value
 
 
-def _flat(value: Any) -> str:
+def _flat(value: object) -> str:
     """One line: ``str(value)`` with every whitespace run collapsed to one space."""
     return "" if value is None else " ".join(str(value).split())
 
 
-def _dict(value: Any) -> dict[str, Any]:
+def _dict(value: object) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-def _items(value: Any) -> list[Any]:
+def _items(value: object) -> list[object]:
     """The entries of a list-like field (a dict's keys, a string's characters, as
     iterated); nothing for other values."""
     return list(value) if isinstance(value, list | dict | str) else []
+
+
+def _dicts(value: object) -> list[dict[str, object]]:
+    """The dict entries of a list-like field (`_items`), in order."""
+    return [x for x in _items(value) if isinstance(x, dict)]
 
 
 def _present(*values: str) -> list[str]:
     return [v for v in values if v]
 
 
-def _fields(entry: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+def _fields(entry: dict[str, object], keys: tuple[str, ...]) -> list[str]:
     return _present(*(_flat(entry.get(k)) for k in keys))
 
 
-def _header_lines(glob: dict[str, Any]) -> list[str]:
+def _header_lines(glob: dict[str, object]) -> list[str]:
     context, description = _flat(glob.get("context")), _flat(glob.get("description"))
     lines = []
     if context or description:
@@ -100,8 +116,8 @@ def _header_lines(glob: dict[str, Any]) -> list[str]:
         lines.append("aesthetics: " + "; ".join(parts))
     sound = _dict(glob.get("audio_baseline"))
     talk = _dict(sound.get("dialogue"))
-    tags = talk.get("speaker_tags")
-    tags = [] if tags is None else tags if isinstance(tags, list) else [tags]
+    given = talk.get("speaker_tags")
+    tags = [] if given is None else given if isinstance(given, list) else [given]
     parts = [f"language={v}" for v in _present(_flat(talk.get("language")))]
     if tags:
         parts.append("speakers=" + ",".join(_flat(t) for t in tags))
@@ -111,7 +127,7 @@ def _header_lines(glob: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _subject_row(subject: dict[str, Any]) -> str:
+def _subject_row(subject: dict[str, object]) -> str:
     row = " - " + " | ".join(_fields(subject, ("subject_id", "description")))
     place = "; ".join(_fields(subject, ("position", "orientation")))
     if place:
@@ -121,36 +137,39 @@ def _subject_row(subject: dict[str, Any]) -> str:
     return row + (" :: " + "; ".join(attrs) if attrs else "")
 
 
-def _object_row(item: dict[str, Any]) -> str:
+def _object_row(item: dict[str, object]) -> str:
     row = " - " + " | ".join(_fields(item, ("object_id", "description")))
     details = "; ".join(_fields(item, ("shape_and_color", "position")))
     return row + (f" :: {details}" if details else "")
 
 
-def _segment_lines(segment: dict[str, Any]) -> list[str]:
+def _segment_lines(segment: dict[str, object]) -> list[str]:
     info = _dict(segment.get("segment_basic_info"))
     head = " ".join(["-", *_fields(info, ("timestamp_range", "segment_description"))])
     lines = [" " + head]
-    for line in filter(lambda x: isinstance(x, dict),
-                       _items(_dict(segment.get("audio")).get("dialogue_lines"))):
+    for line in _dicts(_dict(segment.get("audio")).get("dialogue_lines")):
         text = _flat(line.get("text"))
         if text:
             who = _flat(line.get("speaker"))
             when = _flat(line.get("timestamp"))
             lines.append(f"   - dialogue{' ' + who if who else ''}: {text}"
                          + (f" ({when})" if when else ""))
-    for alive in filter(lambda x: isinstance(x, dict), _items(segment.get("alive_subjects"))):
+    for alive in _dicts(segment.get("alive_subjects")):
         parts = _fields(_dict(alive.get("action")), _ACTION)
         if parts:
             lines.append(f"   - action {_flat(alive.get('subject_id'))}: " + "; ".join(parts))
-    for item in filter(lambda x: isinstance(x, dict), _items(segment.get("objects"))):
+    for item in _dicts(segment.get("objects")):
         parts = _fields(_dict(item.get("dynamic_state")), _STATE)
         if parts:
             lines.append(f"   - objects {_flat(item.get('object_id'))}: " + "; ".join(parts))
     return lines
 
 
-def _listed(title: str, entries: Any, render) -> list[str]:
+#: one list entry -> its line (a subject, an object) or lines (a timeline segment)
+Render = Callable[[dict[str, object]], str | list[str]]
+
+
+def _listed(title: str, entries: object, render: Render) -> list[str]:
     """``title`` and one rendering per dict entry, for a non-empty list; else nothing."""
     if not isinstance(entries, list) or not entries:
         return []
@@ -162,7 +181,7 @@ def _listed(title: str, entries: Any, render) -> list[str]:
     return lines
 
 
-def compact_markdown(prompt: Any) -> str | None:
+def compact_markdown(prompt: object) -> str | None:
     """The compact markdown of a parsed JSON prompt, or None when it has no
     ``global_layer`` (then the prompt is used as written)."""
     obj = _drop_empty(prompt)
@@ -193,7 +212,7 @@ def normalize_prompt(prompt: str) -> str:
     return prompt if rendered is None else rendered
 
 
-def add_released_split(tokenizer: Any) -> None:
+def add_released_split(tokenizer: FastTokenizer) -> None:
     """Put the released extra pre-tokenizer (`RELEASED_SPLIT_PATTERN`, isolated) in front of
     the pre-tokenizer of ``tokenizer`` (a ``transformers`` fast tokenizer), in place."""
     from tokenizers import Regex, pre_tokenizers

@@ -15,7 +15,7 @@ sizes and the 10 s clip, MAGI2.md section 6.8); the released values themselves l
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Literal, cast, overload
 
 from headmoe.models.magi2 import Magi2Config, get_config
 from headmoe.pipeline.released import (
@@ -45,12 +45,18 @@ class Recipe:
     the size comes from (None: explicit height, width, num_frames)."""
 
     name: str
-    values: dict[str, Any]
+    values: dict[str, object]
     cuda_dtype: str
     resolution: str | None = None
     seconds: float | None = None
 
-    def default(self, field: str, device: str) -> Any:
+    @overload
+    def default(self, field: Literal["dtype"], device: str) -> str: ...
+
+    @overload
+    def default(self, field: str, device: str) -> object: ...
+
+    def default(self, field: str, device: str) -> object:
         """The default of ``field`` on ``device`` ("cpu" or "cuda")."""
         if field == "dtype" and device == "cuda":
             return self.cuda_dtype
@@ -58,7 +64,7 @@ class Recipe:
 
 
 _TINY = {f.name: f.default for f in fields(GenerateRequest) if f.name != "prompt"}
-TINY = Recipe("tiny", _TINY, cuda_dtype=_TINY["dtype"])
+TINY = Recipe("tiny", _TINY, cuda_dtype=cast(str, _TINY["dtype"]))  # GenerateRequest.dtype
 RELEASED = Recipe(
     "magi2-preview",
     {**_TINY, "negative_prompt": RELEASED_NEGATIVE_PROMPT, "height": RESOLUTIONS["540p"][0],

@@ -105,7 +105,8 @@ Predict = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def refine_latent(
-    predict: Predict, x: torch.Tensor, sampler, steps: int, guidance: float = REFINER_GUIDANCE,
+    predict: Predict, x: torch.Tensor, sampler: UniPCSampler, steps: int,
+    guidance: float = REFINER_GUIDANCE,
     on_step: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, list[float]]:
     """The refine loop from the re-noised latent `x` (any shape, fp32): `steps` sampler

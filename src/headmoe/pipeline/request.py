@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
 import torch
 
@@ -51,14 +50,14 @@ MAX_SECONDS = 80.0
 MAX_GUIDANCE, MAX_SHIFT = 100.0, 100.0
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """``repr(value)`` cut to at most 60 characters (a 200-digit number stays readable)."""
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:24]}...{text[-8:]} ({len(text)} characters)"
 
 
-def _int_in(lo: int, hi: int, what: str = "") -> Callable[[str, Any], int]:
-    def check(name: str, value: Any) -> int:
+def _int_in(lo: int, hi: int, what: str = "") -> Callable[[str, object], int]:
+    def check(name: str, value: object) -> int:
         if not is_int(value) or not lo <= value <= hi:
             raise Refusal(name, value, f"{name}={show(value)} must be an integer in "
                           f"[{lo}, {what or hi}]")
@@ -66,18 +65,17 @@ def _int_in(lo: int, hi: int, what: str = "") -> Callable[[str, Any], int]:
     return check
 
 
-def _number_in(lo: float, hi: float, lo_open: bool = False) -> Callable[[str, Any], float]:
-    def check(name: str, value: Any) -> float:
-        ok = is_number(value) and math.isfinite(value) and value <= hi
-        ok = ok and (value > lo if lo_open else value >= lo)
-        if not ok:
+def _number_in(lo: float, hi: float, lo_open: bool = False) -> Callable[[str, object], float]:
+    def check(name: str, value: object) -> float:
+        if not (is_number(value) and math.isfinite(value) and value <= hi
+                and (value > lo if lo_open else value >= lo)):
             low = f"({lo:g}" if lo_open else f"[{lo:g}"
             raise Refusal(name, value, f"{name}={show(value)} must be a number in {low}, {hi:g}]")
         return value
     return check
 
 
-def _text(name: str, value: Any) -> str:
+def _text(name: str, value: object) -> str:
     if not isinstance(value, str):
         raise Refusal(name, value, f"{name}={show(value)} must be text")
     if len(value) > MAX_PROMPT_CHARS:
@@ -91,8 +89,8 @@ def _text(name: str, value: Any) -> str:
     return value
 
 
-def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    def check(name: str, value: Any) -> str:
+def _choice(choices: tuple[str, ...]) -> Callable[[str, object], str]:
+    def check(name: str, value: object) -> str:
         if value not in choices:
             raise Refusal(name, value, f"{name}={show(value)} must be one of "
                           f"{', '.join(choices)}")
@@ -101,7 +99,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
 
 
 #: the rule of each `GenerateRequest` field
-FIELD_RULES: dict[str, Callable[[str, Any], Any]] = {
+FIELD_RULES: dict[str, Callable[[str, object], object]] = {
     "prompt": _text,
     "negative_prompt": _text,
     "height": _int_in(1, MAX_SIDE),
@@ -119,7 +117,7 @@ FIELD_RULES: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
-def check_field(name: str, value: Any) -> Any:
+def check_field(name: str, value: object) -> object:
     """``value`` if it passes field ``name``'s rule (`FIELD_RULES`), else `Refusal`."""
     return FIELD_RULES[name](name, value)
 
@@ -169,7 +167,7 @@ class GenerateRequest:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 

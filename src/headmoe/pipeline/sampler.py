@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -121,7 +122,9 @@ class UniPCSampler:
         self._last_order = 0
         self._next = 0
 
-    def _first_order(self, s: int, t: int, x: torch.Tensor):
+    def _first_order(self, s: int, t: int, x: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
         """``(x_t', alpha_t B_h, h, h_phi_1, hh)`` of the step from sigmas[s] to sigmas[t]."""
         sigma_s, sigma_t = self.sigmas[s], self.sigmas[t]
         alpha_t, lambda_t = _lambda(sigma_t)
@@ -141,7 +144,8 @@ class UniPCSampler:
     def _correct(self, i: int, m_t: torch.Tensor) -> torch.Tensor:
         """UniC over the step from sigmas[i-1] to sigmas[i] with the new prediction ``m_t``."""
         s = i - 1
-        x_first, scale, h, h_phi_1, hh = self._first_order(s, i, self._last_sample)
+        last = cast(torch.Tensor, self._last_sample)  # set by the step before (i >= 1)
+        x_first, scale, h, h_phi_1, hh = self._first_order(s, i, last)
         d_t = m_t - self._m[s]
         if self._last_order == 1:
             return x_first - scale * (0 + torch.tensor(FIXED_RHO) * d_t)
@@ -153,7 +157,7 @@ class UniPCSampler:
         b2 = phi * 2 / b_h
         rks = torch.tensor([float(r), 1.0])
         lhs = torch.stack([torch.pow(rks, 0), torch.pow(rks, 1)])
-        rho = torch.linalg.solve(lhs, torch.tensor([float(b1), float(b2)]))
+        rho: torch.Tensor = torch.linalg.solve(lhs, torch.tensor([float(b1), float(b2)]))
         return x_first - scale * (rho[0] * d + rho[-1] * d_t)
 
     def _predict(self, i: int, x: torch.Tensor, order: int) -> torch.Tensor:
