@@ -131,12 +131,6 @@ def _guarded(fn: Callable[[], int], command: str, debug: bool) -> int:
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - this is the boundary
-        signum = getattr(exc, "sigval", None)  # torch elastic's SignalException (launcher)
-        if type(exc).__name__ == "SignalException" and signum is not None:
-            if debug:
-                traceback.print_exc()
-            print("headmoe: interrupted", file=sys.stderr)
-            return 128 + int(signum)
         code, message = describe(exc, command)
         if debug:
             traceback.print_exc()
