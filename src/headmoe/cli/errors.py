@@ -20,7 +20,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from headmoe.cli.flags import as_flags
+from headmoe.cli.flags import refusal_text
 from headmoe.errors import Refusal, RuntimeFault, UserError
 
 BAD_INPUT, FAULT, INTERRUPTED = 2, 1, 130
@@ -62,7 +62,7 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
     if isinstance(exc, RuntimeFault):
         return FAULT, one_line(exc)
     if isinstance(exc, Refusal):  # a request field: its name shown as the flag that sets it
-        message = as_flags(one_line(exc.message), assignments_only=True)
+        message = refusal_text(exc.field, one_line(exc.message))
         return BAD_INPUT, f"{message}, see 'headmoe {command} --help'"
     if isinstance(exc, UserError):
         return BAD_INPUT, one_line(exc)
