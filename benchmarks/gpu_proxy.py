@@ -331,7 +331,7 @@ def measure(resolution: str, sp: int, ep: int, model: str = "magi2-preview") -> 
         state = net._embed(packed, plan)
         for k, layer in layers.items():
             before = _snapshot(ledger)
-            state = layer(state, plan, ctx)
+            state = layer(state, plan)
             _repeat(ledger, before, kinds[k][1] - 1)
         net._post(state, plan)
     acts = estimate_memory(cfg, shape, parallel, torch.bfloat16).activations

@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from headmoe.admission import admit, check_given
 from headmoe.cli import checks, flags
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         ctx = ParallelContext.single(job.parallel, device=rank_device())
         results = [run_job(ctx, job)]
     else:
-        results = launch_local(launched_rank, world, (job,))
+        results = cast(list[dict[str, Any]], launch_local(launched_rank, world, (job,)))
     for res in results:
         if res["output"]:
             print(

@@ -12,7 +12,6 @@ layers record into it when given one. Definitions (the planner predicts exactly 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass
@@ -52,7 +51,7 @@ class Counters:
         self.exchanges.clear()
         self.streamed_bytes.clear()
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """JSON-ready totals: MoE calls, rows (total and max per call), and bytes per
         exchange kind."""
         kinds: dict[str, dict[str, int]] = {}

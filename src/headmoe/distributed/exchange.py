@@ -20,7 +20,7 @@ Buffer ownership with an `ExchangeWorkspace`: see that class.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,7 @@ def _check_group(group: ProcessGroup | None, layout: HeadLayout) -> None:
         raise ValueError(f"this rank is rank {rank} of the group but layout.rank={layout.rank}")
 
 
-def _check_tensor(name: str, t: Any, dims: int, rows: int, what: str) -> None:
+def _check_tensor(name: str, t: object, dims: int, rows: int, what: str) -> None:
     if not isinstance(t, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != dims:
@@ -258,7 +258,7 @@ def gather_heads(
 
 
 # ---------------------------------------------------------------------------- Ulysses
-def _ulysses_layout(group: ProcessGroup | None, token_counts: Any) -> HeadLayout:
+def _ulysses_layout(group: ProcessGroup | None, token_counts: object) -> HeadLayout:
     counts = check_counts("token_counts", token_counts)
     if group is None:
         if len(counts) != 1:
@@ -272,7 +272,7 @@ def _ulysses_layout(group: ProcessGroup | None, token_counts: Any) -> HeadLayout
     return layout
 
 
-def _seq_to_heads(x: Tensor, group: ProcessGroup | None, token_counts: Any,
+def _seq_to_heads(x: Tensor, group: ProcessGroup | None, token_counts: object,
                   counters: ExchangeCounters | None, fused: bool) -> Tensor:
     layout = _ulysses_layout(group, token_counts)
     name, dims = ("qkv", 4) if fused else ("x", 3)

@@ -50,10 +50,15 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from headmoe.config import is_int
 from headmoe.files import atomic_write
+
+if TYPE_CHECKING:  # torch.distributed is imported where a rank starts, not at import
+    from multiprocessing.process import BaseProcess
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 #: seconds the other ranks get to exit once one rank failed; those still running then are
 #: killed and named (every launch: generate's ranks, serve's, the test harness's)
@@ -219,7 +224,7 @@ def read_error(folder: Path, rank: int, exitcode: int | None) -> RankError | Non
     return None
 
 
-def _rank_entry(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, nproc: int, port: int,
+def _rank_entry(fn: Callable[..., object], args: tuple[object, ...], rank: int, nproc: int, port: int,
                 folder: str) -> None:
     """A spawned rank: join the launcher's world (see the module doc), run ``fn(*args)``,
     record the result or the failure, exit 0 or 1."""
@@ -251,15 +256,15 @@ class LocalRanks:
     ranks, leaving stops what still runs and removes the temp folder. ``deadline``: a
     `time.monotonic` time after which `wait` gives up (settable while waiting)."""
 
-    def __init__(self, fn: Callable[..., Any], nproc: int, args: tuple[Any, ...] = (), *,
+    def __init__(self, fn: Callable[..., object], nproc: int, args: tuple[object, ...] = (), *,
                  name: str = "headmoe-rank"):
         if not is_int(nproc) or nproc < 1:
             raise ValueError(f"nproc must be a positive int, got {nproc!r}")
         self.fn, self.nproc, self.args, self.name = fn, nproc, args, name
         self.deadline: float | None = None
-        self.procs: list[Any] = []
+        self.procs: list[BaseProcess] = []
         self.folder: Path | None = None
-        self._store: Any = None
+        self._store: TCPStore | None = None
 
     def __enter__(self) -> LocalRanks:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -288,7 +293,7 @@ class LocalRanks:
     def signal(self, rank: int, signum: int) -> None:
         """Send ``signum`` to rank ``rank`` (if it still runs)."""
         p = self.procs[rank]
-        if p.is_alive():
+        if p.is_alive() and p.pid is not None:
             os.kill(p.pid, signum)
 
     def alive(self) -> list[int]:
@@ -298,7 +303,7 @@ class LocalRanks:
         """Send ``first`` (None: nothing) to what still runs, SIGKILL what is left after the
         grace, join every rank."""
         for p in self.procs:
-            if first is not None and p.is_alive():
+            if first is not None and p.is_alive() and p.pid is not None:
                 os.kill(p.pid, first)
         end = time.monotonic() + (FAILURE_GRACE_S if first != signal.SIGKILL else 0.0)
         while self.alive() and time.monotonic() < end:
@@ -308,7 +313,7 @@ class LocalRanks:
                 p.kill()
             p.join(timeout=FAILURE_GRACE_S)
 
-    def _look(self, results: dict[int, Any], errors: dict[int, RankError]) -> None:
+    def _look(self, results: dict[int, object], errors: dict[int, RankError]) -> None:
         """Record every rank that finished since the last look."""
         assert self.folder is not None
         for r, p in enumerate(self.procs):
@@ -324,14 +329,14 @@ class LocalRanks:
                 errors[r] = RankError("exited with code 0 without a result",
                                       "exited with code 0 without a result")
 
-    def wait(self, timeout: float | None = None) -> list[Any]:
+    def wait(self, timeout: float | None = None) -> list[object]:
         """Every rank's return value in rank order, once all have finished. Raises
         `LaunchFailure` (the grace after the first failure, then the rest killed) or
         `LaunchTimeout` (``timeout`` seconds, or `deadline`, passed)."""
         if timeout is not None:
             self.deadline = time.monotonic() + timeout
         start = time.monotonic()
-        results: dict[int, Any] = {}
+        results: dict[int, object] = {}
         errors: dict[int, RankError] = {}
         while True:
             self._look(results, errors)
@@ -347,7 +352,7 @@ class LocalRanks:
                                     else timeout)
             time.sleep(POLL_S)
 
-    def _fail(self, results: dict[int, Any], errors: dict[int, RankError]) -> NoReturn:
+    def _fail(self, results: dict[int, object], errors: dict[int, RankError]) -> NoReturn:
         end = time.monotonic() + FAILURE_GRACE_S
         while len(results) + len(errors) < self.nproc and time.monotonic() < end:
             time.sleep(POLL_S)
@@ -360,8 +365,8 @@ class LocalRanks:
                             hung=hung)
 
 
-def launch_local(fn: Callable[..., Any], nproc: int, args: tuple[Any, ...] = (), *,
-                 timeout: float | None = None) -> list[Any]:
+def launch_local(fn: Callable[..., object], nproc: int, args: tuple[object, ...] = (), *,
+                 timeout: float | None = None) -> list[object]:
     """Run ``fn(*args)`` on ``nproc`` spawned local ranks (`LocalRanks`); their return
     values in rank order. Raises `ValueError` for ``nproc < 1``, `LaunchFailure` if any
     rank fails, `LaunchTimeout` if ``timeout`` seconds pass first."""

@@ -28,21 +28,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import Any
 
 from headmoe.config import MOE_EXCHANGES, check_positive_int, is_int
 
 REPLICA_POLICIES: tuple[str, ...] = ("run_totals", "balanced")
 
 
-def check_index(name: str, value: Any, size: int) -> int:
+def check_index(name: str, value: object, size: int) -> int:
     """`value` if it is an int in [0, size), else `ValueError` naming `name`."""
     if not is_int(value) or not 0 <= value < size:
         raise ValueError(f"{name} must be an int in [0, {size}), got {value!r}")
     return value
 
 
-def check_counts(name: str, counts: Any) -> tuple[int, ...]:
+def check_counts(name: str, counts: object) -> tuple[int, ...]:
     """`counts` if it is a non-empty tuple of non-negative ints, else `ValueError`."""
     if not isinstance(counts, tuple) or not counts:
         raise ValueError(f"{name} must be a non-empty tuple of ints, got {counts!r}")
@@ -52,7 +51,7 @@ def check_counts(name: str, counts: Any) -> tuple[int, ...]:
     return counts
 
 
-def check_replicas(replicas: Any, world: int) -> int:
+def check_replicas(replicas: object, world: int) -> int:
     if not is_int(replicas) or replicas < 1 or world % replicas:
         raise ValueError(
             f"replicas must be a positive int dividing the group size {world}, got {replicas!r}"

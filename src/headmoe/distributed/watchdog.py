@@ -14,7 +14,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Any
+from types import FrameType
+from typing import Protocol
 
 from headmoe.distributed.launch import HUNG_PEER
 from headmoe.errors import RankUnresponsive, RuntimeFault
@@ -27,10 +28,18 @@ def note_step(step: int) -> None:
     _state["step"] = step
 
 
+class BeatStore(Protocol):
+    """What the heartbeats need of a c10d store (`torch.distributed.TCPStore`)."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+
+
 class Heartbeat:
     """Beats of this rank into ``store`` under ``prefix`` (see module doc)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, interval: float = 1.0,
+    def __init__(self, store: BeatStore, rank: int, world_size: int, interval: float = 1.0,
                  prefix: str = "headmoe/heartbeat"):
         self.store, self.rank, self.world, self.interval = store, rank, world_size, interval
         self.prefix = prefix
@@ -115,7 +124,7 @@ def interrupt_once() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 

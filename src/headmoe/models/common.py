@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypedDict, TypeVar
 
 import torch
 from torch import nn
@@ -64,6 +64,17 @@ class RowPlan:
         return self.parallel.local_tokens
 
 
+class RowPlanFields(TypedDict):
+    """The keyword arguments of `RowPlan` (what `row_plan_fields` returns)."""
+
+    parallel: ParallelPlan
+    modality: torch.Tensor
+    groups: list[torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    schedule: ForwardSchedule
+
+
 def sp_counts(ctx: ParallelContext, num_tokens: int) -> tuple[int, ...]:
     """SP token counts of a packed sequence of `num_tokens` rows under `ctx`."""
     return sp_token_counts(num_tokens, ctx.config.ulysses_degree)
@@ -73,15 +84,16 @@ def row_plan_fields(
     ctx: ParallelContext, counts: tuple[int, ...], modality: torch.Tensor,
     coords: torch.Tensor, bands: torch.Tensor, device: torch.device,
     schedule: ForwardSchedule, dispatch: DispatchPlan | None = None,
-) -> dict[str, Any]:
+) -> RowPlanFields:
     """The `RowPlan` fields of this rank for packed `modality` `[T]` int64 and rotary
     `coords` `[T, 3]` (host tensors), `bands` `[B]` fp32 (host only, no collective)."""
     lo, hi = sp_rows(counts, ctx.coords.sp)
-    local = modality[lo:hi].to(device)
+    host = modality[lo:hi]
+    groups = [g.to(device) for g in modality_groups(host)]  # on the host: no device sync
     cos, sin = split_table(rope_table(coords[lo:hi], bands.cpu()))
-    return dict(parallel=parallel_plan(ctx, counts, dispatch), modality=local,
-                groups=modality_groups(local), cos=cos.to(device), sin=sin.to(device),
-                schedule=schedule)
+    return RowPlanFields(parallel=parallel_plan(ctx, counts, dispatch),
+                         modality=host.to(device), groups=groups, cos=cos.to(device),
+                         sin=sin.to(device), schedule=schedule)
 
 
 def embed_rows(embedders: Sequence[Linear], x: torch.Tensor, groups: list[torch.Tensor],
@@ -97,19 +109,22 @@ def embed_rows(embedders: Sequence[Linear], x: torch.Tensor, groups: list[torch.
 
 
 P = TypeVar("P", bound=RowPlan)
+K = TypeVar("K")
+L = TypeVar("L", torch.Tensor, tuple[torch.Tensor, torch.Tensor])
 
 
-class PlannedModel(nn.Module, Generic[P]):
+class PlannedModel(nn.Module, Generic[P, K, L]):
     """A transformer whose forward is `run_planned`: plan -> embed -> layers -> post ->
     gather over SP -> check the executed collectives against the plan's schedule. `P` is
-    its `RowPlan` type."""
+    its `RowPlan` type, `K` the type of its packed inputs, `L` what its layers return (the
+state, or the state and a traced tensor)."""
 
     context: ParallelContext
 
-    def plan(self, packed: Any) -> P:
+    def plan(self, packed: K) -> P:
         raise NotImplementedError
 
-    def _embed(self, packed: Any, plan: P) -> torch.Tensor:
+    def _embed(self, packed: K, plan: P) -> torch.Tensor:
         raise NotImplementedError
 
     def _post(self, state: torch.Tensor, plan: P) -> torch.Tensor:
@@ -121,10 +136,10 @@ class PlannedModel(nn.Module, Generic[P]):
     def _trace_in(self, trace: dict[str, torch.Tensor], state: torch.Tensor, plan: P) -> None:
         raise NotImplementedError
 
-    def _trace_layer(self, trace: dict[str, torch.Tensor], i: int, out: Any, plan: P) -> None:
+    def _trace_layer(self, trace: dict[str, torch.Tensor], i: int, out: L, plan: P) -> None:
         raise NotImplementedError
 
-    def run_planned(self, packed: Any, trace: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def run_planned(self, packed: K, trace: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """One forward on packed inputs (identical on every SP rank): the full `[T, P]` fp32
         output rows (`_post`'s columns) on every SP rank."""
         plan = self.plan(packed)
@@ -134,7 +149,7 @@ class PlannedModel(nn.Module, Generic[P]):
         if trace is not None:
             self._trace_in(trace, state, plan)
         for i, layer in enumerate(self._layers()):
-            out = layer(state, plan)
+            out: L = layer(state, plan)
             state = out[0] if isinstance(out, tuple) else out
             if trace is not None:
                 self._trace_layer(trace, i, out, plan)

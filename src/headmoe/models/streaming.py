@@ -39,12 +39,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from headmoe.config import is_int
+from headmoe.distributed.context import ParallelContext
 from headmoe.errors import RuntimeFault
 
 #: layers' weights on the device at once by default (the layer running and the next one)
@@ -84,7 +85,7 @@ def split_layers(num_layers: int, resident_layers: int) -> tuple[range, range]:
     return range(resident_layers), range(resident_layers, num_layers)
 
 
-def check_slots(slots: Any) -> int:
+def check_slots(slots: object) -> int:
     """`slots` if it is an int >= 1, else `ValueError` naming it."""
     if not is_int(slots) or slots < 1:
         raise ValueError(f"slots (layers in flight) must be an int >= 1, got {slots!r}")
@@ -110,7 +111,9 @@ def local_tensor(layer: nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer `name` (dotted, relative to `layer`)."""
     mod, _, attr = name.rpartition(".")
     owner = layer.get_submodule(mod)
-    return owner._parameters[attr] if attr in owner._parameters else owner.get_buffer(attr)
+    if attr in owner._parameters:
+        return cast(torch.Tensor, owner._parameters[attr])  # a registered parameter
+    return owner.get_buffer(attr)
 
 
 def layer_tensors(layer: nn.Module, reads: Sequence[TensorRead]
@@ -244,7 +247,8 @@ class MappedCheckpoint:
         buf = torch.empty(min(step, hi - lo), dtype=torch.uint8)
         for off in range(lo, hi, step):
             n = min(step, hi - off)
-            got = os.preadv(fd, [buf[:n].numpy()], st.begin + off)
+            # a numpy view is a writable buffer; numpy's stubs do not say so to os.preadv
+            got = os.preadv(fd, [buf[:n].numpy()], st.begin + off)  # type: ignore[list-item]
             if got != n:
                 self._check(st.file)  # names the change; else the file is short
                 raise CheckpointChanged(f"checkpoint file {st.file!r} ended early reading "
@@ -299,9 +303,9 @@ def materialise_except(root: nn.Module, skip: Sequence[nn.Module], device: torch
 
 
 def attach_streamer(
-    model: nn.Module, layers: Sequence[nn.Module], streamed: Sequence[int],
-    load: Callable[[Callable[[str], bool]], Any], reads: Callable[[int], list[TensorRead]],
-    files: dict[str, str], context: Any, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
+    model: nn.Module, layers: Sequence[nn.Module] | nn.ModuleList, streamed: Sequence[int],
+    load: Callable[[Callable[[str], bool]], object], reads: Callable[[int], list[TensorRead]],
+    files: dict[str, str], context: ParallelContext, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
 ) -> LayerStreamer:
     """The common end of a model family's streamed build: `model` (built on the meta
     device) gets real tensors outside its streamed `layers`, `load(skip)` loads them (skip:
@@ -339,6 +343,12 @@ class _LayerPlan:
 
 
 # ---------------------------------------------------------------------- the streamer
+class StreamCounters(Protocol):
+    """What a `LayerStreamer` reports to (`headmoe.distributed.counters.Counters`)."""
+
+    def record_stream(self, nbytes: int) -> None: ...
+
+
 class LayerStreamer:
     """Streams the weights of `layers[i]`, i in `streamed`, through `slots` slot buffers.
 
@@ -354,9 +364,9 @@ class LayerStreamer:
     hook (unbind, start filling the slot with the layer `slots` positions later) to every
     streamed layer; `close()` removes them."""
 
-    def __init__(self, layers: Sequence[nn.Module], streamed: Sequence[int],
+    def __init__(self, layers: Sequence[nn.Module] | nn.ModuleList, streamed: Sequence[int],
                  reads: dict[int, list[TensorRead]], source: MappedCheckpoint,
-                 device: torch.device, slots: int = DEFAULT_SLOTS, counters: Any = None,
+                 device: torch.device, slots: int = DEFAULT_SLOTS, counters: StreamCounters | None = None,
                  timeout_s: float = 300.0):
         self.layers, self.source, self.device = list(layers), source, torch.device(device)
         self.slots, self.counters, self.timeout_s = check_slots(slots), counters, timeout_s
@@ -373,15 +383,16 @@ class LayerStreamer:
         self.dev = ([torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
                      for _ in range(n)] if self.cuda else self.host)
         if self.cuda:
-            self.copy_stream = torch.cuda.Stream(self.device)
-            self.loaded_ev = [torch.cuda.Event() for _ in range(n)]
-            self.free_ev = [torch.cuda.Event() for _ in range(n)]
+            # torch.cuda's Stream and Event constructors carry no annotations
+            self.copy_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self.loaded_ev = [torch.cuda.Event() for _ in range(n)]  # type: ignore[no-untyped-call]
+            self.free_ev = [torch.cuda.Event() for _ in range(n)]  # type: ignore[no-untyped-call]
         self.content: list[int | None] = [None] * n
         """Layer index whose weights slot s holds (or is being filled with)."""
         self.slot_of: dict[int, int] = {}
         """The slot of each layer in `content`."""
         self.fresh = [False] * n
-        self.pending: list[Future | None] = [None] * n
+        self.pending: list[Future[None] | None] = [None] * n
         self.bound: set[int] = set()
         self.fills = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headmoe-stream")
@@ -444,7 +455,7 @@ class LayerStreamer:
             self._resync(position)
             s = self.slot_of[index]
         try:
-            self.pending[s].result(timeout=self.timeout_s)
+            cast("Future[None]", self.pending[s]).result(timeout=self.timeout_s)  # _resync filled s
         except FutureTimeout:
             raise RuntimeError(f"layer {index}'s weights were not read within "
                                f"{self.timeout_s:g} s (layer streaming)") from None

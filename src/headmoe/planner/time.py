@@ -19,7 +19,8 @@ from functools import lru_cache
 import torch
 
 from headmoe.config import ParallelConfig
-from headmoe.models.magi2.loading import checkpoint_spec
+from headmoe.models.magi2.loading import MOE_MARKER, checkpoint_spec
+from headmoe.moe.weights import Bf16Experts
 
 #: effective fp32 GEMM rate of one CPU thread (AVX2/AVX-512 server core, batch-invariant
 #: kernels), FLOP/s
@@ -29,8 +30,9 @@ CUDA_FLOPS = 4.0e14
 #: fixed cost of a step beyond its FLOPs (exchanges, sampler, Python), s: CPU (the tiny
 #: release's step on one core) and GPU
 STEP_OVERHEAD_S = {"cpu": 0.3, "cuda": 0.05}
-#: names of the routed experts' weights (a token uses top_k of each head's experts)
-_EXPERT_WEIGHTS = ("moe_mlp.W_gate", "moe_mlp.W_up", "moe_mlp.W_down")
+#: checkpoint name endings of the routed experts' weights (a token uses top_k of each
+#: head's experts): the released format's tensors under the MoE module
+_EXPERT_WEIGHTS = tuple(MOE_MARKER + n for n in Bf16Experts.NAMES)
 
 
 @lru_cache(maxsize=16)

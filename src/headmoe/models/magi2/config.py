@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, fields, replace
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 
@@ -32,6 +33,15 @@ class TransformerShape:
     """Sizes derived alike for the MAGI-2 transformer and its refiner from their fields
     `hidden_size`, `head_dim`, `num_query_groups`, the three in-channel counts and
     `params_dtype`."""
+
+    hidden_size: int
+    head_dim: int
+    num_query_groups: int
+    video_in_channels: int
+    audio_in_channels: int
+    text_in_channels: int
+    params_dtype: str
+    norm_eps: float
 
     @property
     def num_attention_heads(self) -> int:
@@ -177,12 +187,12 @@ class Magi2Config(TransformerShape):
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if i not in self.multimodal_layers)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     # ------------------------------------------------------------------ public schema
     @classmethod
-    def from_dict(cls, data: dict[str, Any], name: str = "custom") -> Magi2Config:
+    def from_dict(cls, data: object, name: str = "custom") -> Magi2Config:
         """A config from the public MAGI-2 schema (golden/magi2/config.json) or
         from `to_dict()`'s output. Raises `ValueError` naming unknown, missing, unsupported
         or inconsistent fields."""
@@ -202,12 +212,15 @@ class Magi2Config(TransformerShape):
             raise ValueError(f"model config: {e}") from None
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> Magi2Config:
+    def from_json(cls, path: str | os.PathLike[str]) -> Magi2Config:
         """`from_dict` of a JSON file; errors name the file."""
         return config_from_json(cls.from_dict, path, "model config")
 
 
-def config_from_json(from_dict: Any, path: str | os.PathLike, what: str) -> Any:
+C = TypeVar("C")
+
+
+def config_from_json(from_dict: Callable[..., C], path: str | os.PathLike[str], what: str) -> C:
     """``from_dict(data, name=<file stem>)`` of the JSON file ``path``; a `ValueError`
     naming ``what`` and the file when it cannot be read or does not fit."""
     path = os.fspath(path)
@@ -252,8 +265,8 @@ _PUBLIC_FIXED = {
 }
 
 
-def _take(section: dict[str, Any], keys: dict[str, str | None], where: str,
-          out: dict[str, Any]) -> None:
+def _take(section: object, keys: dict[str, str | None], where: str,
+          out: dict[str, object]) -> None:
     if not isinstance(section, dict):
         raise ValueError(f"{where or 'model config'} must be an object, got {section!r}")
     unknown = sorted(set(section) - set(keys))
@@ -268,12 +281,13 @@ def _take(section: dict[str, Any], keys: dict[str, str | None], where: str,
                 f"model config field {where + key}={value!r} is not supported "
                 f"(the released model has {fixed!r})"
             )
-        if keys[key] is not None:
-            out[keys[key]] = value
+        field = keys[key]
+        if field is not None:
+            out[field] = value
 
 
-def _from_public(data: dict[str, Any], name: str) -> Magi2Config:
-    out: dict[str, Any] = {"name": name}
+def _from_public(data: dict[str, object], name: str) -> Magi2Config:
+    out: dict[str, object] = {"name": name}
     _take(data, _PUBLIC_TOP, "", out)
     _take(data.get("moe", {}), _PUBLIC_MOE, "moe.", out)
     _take(data.get("mhc", {}), _PUBLIC_MHC, "mhc.", out)
@@ -281,10 +295,11 @@ def _from_public(data: dict[str, Any], name: str) -> Magi2Config:
     missing = sorted(required - set(out))
     if missing:
         raise ValueError(f"model config is missing fields for: {', '.join(missing)}")
-    out["multimodal_layers"] = tuple(out["multimodal_layers"])
-    cfg = Magi2Config(**out)
-    moe_layers = data.get("moe", {}).get("layers")
-    if moe_layers is not None and tuple(moe_layers) != cfg.moe_layer_ids:
+    out["multimodal_layers"] = tuple(cast(Iterable[object], out["multimodal_layers"]))
+    cfg = Magi2Config(**out)  # type: ignore[arg-type]  # JSON values; __post_init__ checks them
+    moe = cast(dict[str, object], data.get("moe", {}))  # _take checked it is an object
+    moe_layers = moe.get("layers")
+    if moe_layers is not None and tuple(cast(Iterable[object], moe_layers)) != cfg.moe_layer_ids:
         raise ValueError(
             f"model config field moe.layers={brief(moe_layers)} must be the layers that are "
             f"not multimodal, {brief(cfg.moe_layer_ids)}"
@@ -310,11 +325,12 @@ PRESETS: dict[str, Magi2Config] = {
 }
 
 
-def get_config(name: str, **overrides: Any) -> Magi2Config:
+def get_config(name: str, **overrides: object) -> Magi2Config:
     """A preset ("tiny", "magi2-preview"), optionally with fields replaced."""
     if name not in PRESETS:
         raise ValueError(f"model config name must be one of {sorted(PRESETS)}, got {name!r}")
-    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    # replace() refuses unknown names at run time; __post_init__ checks the values
+    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]  # type: ignore[arg-type]
 
 
 def config_from_arg(value: str) -> Magi2Config:

@@ -22,12 +22,13 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from headmoe.distributed.context import ParallelContext
 from headmoe.files import index_map, listing
 from headmoe.layers.rope import default_bands
 from headmoe.models.magi2.config import Magi2Config
@@ -65,7 +66,7 @@ def checkpoint_spec(config: Magi2Config) -> dict[str, tuple[tuple[int, ...], tor
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
-def spec_digest(config: Magi2Config, *extra: Any) -> str:
+def spec_digest(config: Magi2Config, *extra: object) -> str:
     """16 hex digits of sha256 over `config`, its `checkpoint_spec` (names, shapes, dtypes)
     and ``extra`` (JSON-able): the one cache key of the tiny model's files."""
     spec = {k: [list(s), str(d)] for k, (s, d) in checkpoint_spec(config).items()}
@@ -88,7 +89,17 @@ class LoadReport:
 
 
 # ---------------------------------------------------------------------- headers
-def _headers(path: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
+#: checked headers: stored or model name -> (file, shape, safetensors dtype)
+Headers = dict[str, tuple[str, tuple[int, ...], str]]
+
+
+class TensorSource(Protocol):
+    """An open safetensors file (`safe_open`'s handle): reads one stored tensor."""
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+
+def _headers(path: str) -> Headers:
     """stored name -> (file, shape, safetensors dtype) from the file headers only."""
     where = index_map(path) if path.endswith(INDEX_SUFFIX) else None
     files = sorted(set(where.values())) if where is not None else [path]
@@ -118,8 +129,8 @@ def _headers(path: str) -> dict[str, tuple[str, tuple[int, ...], str]]:
     return out
 
 
-def check_layer_count(num_layers: int, path: str, headers: dict, what: str,
-                      detail: Callable[[dict], str] | None = None) -> None:
+def check_layer_count(num_layers: int, path: str, headers: Headers, what: str,
+                      detail: Callable[[Headers], str] | None = None) -> None:
     """Refuse a config (``what``, e.g. ``"refiner config 'x'"``) whose ``num_layers``
     differs from the ``block.layers.<i>.`` layers the headers hold, so a 1,000,000-layer
     config is refused at once, not after building its skeleton: the one check of both the
@@ -133,8 +144,8 @@ def check_layer_count(num_layers: int, path: str, headers: dict, what: str,
                          "use the config of this checkpoint")
 
 
-def read_headers(path: str | os.PathLike, num_layers: int, what: str,
-                 detail: Callable[[dict], str] | None = None) -> tuple[str, dict]:
+def read_headers(path: str | os.PathLike[str], num_layers: int, what: str,
+                 detail: Callable[[Headers], str] | None = None) -> tuple[str, Headers]:
     """(prefix, headers) of a checkpoint (the ``transformer.`` prefix stripped), after
     `check_layer_count` against ``num_layers``; for `check_headers`."""
     path = os.fspath(path)
@@ -147,7 +158,7 @@ def read_headers(path: str | os.PathLike, num_layers: int, what: str,
 DETAIL_MAX_LAYERS = 256
 
 
-def _first_mismatches(config: Magi2Config, headers: dict) -> str:
+def _first_mismatches(config: Magi2Config, headers: Headers) -> str:
     """``"; N mis-shaped tensors: ..."`` for the tensors both the headers and `config` name,
     so a refusal shows which tensors differ; empty for a config too large to build."""
     if config.num_layers > DETAIL_MAX_LAYERS:
@@ -158,7 +169,7 @@ def _first_mismatches(config: Magi2Config, headers: dict) -> str:
     return "; " + listing("mis-shaped tensors", bad) if bad else ""
 
 
-def _strip_prefix(path: str, headers: dict) -> tuple[str, dict]:
+def _strip_prefix(path: str, headers: Headers) -> tuple[str, Headers]:
     prefixed = [n for n in headers if n.startswith(PREFIX)]
     if not prefixed:
         return "", headers
@@ -170,7 +181,7 @@ def _strip_prefix(path: str, headers: dict) -> tuple[str, dict]:
 
 
 def check_checkpoint(
-    config: Magi2Config, path: str | os.PathLike, param_dtype: torch.dtype | None = None
+    config: Magi2Config, path: str | os.PathLike[str], param_dtype: torch.dtype | None = None
 ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
     """Check a checkpoint's headers against `config` without reading any tensor
     (`param_dtype`: the model dtype the tensors will be cast to; None: the config's).
@@ -186,8 +197,8 @@ def check_checkpoint(
 
 
 def check_headers(
-    spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike,
-    param_dtype: torch.dtype | None, what: str, found: tuple[str, dict] | None = None,
+    spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike[str],
+    param_dtype: torch.dtype | None, what: str, found: tuple[str, Headers] | None = None,
 ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
     """`check_checkpoint` against any tensor `spec` (name -> (shape, dtype)); `what` names
     the model in the error ("model config 'tiny'"); `found`: the (prefix, headers) already
@@ -206,10 +217,10 @@ def check_headers(
     for name, (shape, dtype) in spec.items():
         if name not in headers:
             continue
-        _, found, stored = headers[name]
+        _, got, stored = headers[name]
         want = f"{list(shape)} {_DTYPE_NAMES[dtype]}"
-        if found != shape:
-            bad_shape.append(f"{prefix + name} expected {want}, found {list(found)} {stored}")
+        if got != shape:
+            bad_shape.append(f"{prefix + name} expected {want}, found {list(got)} {stored}")
         elif stored not in FLOAT_DTYPES:
             bad_dtype.append(f"{prefix + name} expected {want}, found {stored}")
         else:
@@ -227,7 +238,7 @@ def check_headers(
 
 # ---------------------------------------------------------------------- loading
 def load_checkpoint(
-    model: Magi2Transformer, path: str | os.PathLike, *, max_batch_bytes: int = LOAD_BATCH_BYTES,
+    model: Magi2Transformer, path: str | os.PathLike[str], *, max_batch_bytes: int = LOAD_BATCH_BYTES,
     skip: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`.
@@ -245,9 +256,10 @@ def load_checkpoint(
     assert len(shards) <= 1, shards  # every MoE layer of a rank holds the same heads
     shard = shards.pop() if shards else None
 
-    def read(f: Any, name: str) -> torch.Tensor:
+    def read(f: TensorSource, name: str) -> torch.Tensor:
         stored = report.prefix + name
         if MOE_MARKER in name:
+            assert shard is not None  # an MoE tensor's layer is an MoE layer of this rank
             return read_moe_rows(f, stored, cfg.moe_num_heads, cfg.moe_num_experts,
                                  shard.ep_size, shard.ep_rank)
         return f.get_tensor(stored)
@@ -259,7 +271,7 @@ def load_checkpoint(
 
 def load_in_batches(
     model: torch.nn.Module, headers: dict[str, tuple[str, tuple[int, ...], str]],
-    read: Callable[[Any, str], torch.Tensor], max_batch_bytes: int,
+    read: Callable[[TensorSource, str], torch.Tensor], max_batch_bytes: int,
     skip: Callable[[str], bool] | None = None, last: Callable[[str], bool] | None = None,
 ) -> None:
     """Copy every tensor of `model` (but those `skip` names) from its file in `headers`
@@ -302,7 +314,7 @@ def layer_reads(model: Magi2Transformer, layer_id: int, prefix: str = "") -> lis
     reads = []
     for name, _ in [*layer.named_parameters(), *layer.named_buffers()]:
         key, rows = name, None
-        if moe is not None and name.startswith(at + "."):
+        if moe is not None and at is not None and name.startswith(at + "."):
             local = name[len(at) + 1 :]
             key = f"{at}.{moe.source_name(local)}"
             if local in moe.row_tensors:
@@ -312,7 +324,7 @@ def layer_reads(model: Magi2Transformer, layer_id: int, prefix: str = "") -> lis
 
 
 def stream_layers(
-    config: Magi2Config, context: Any, dtype: torch.dtype, path: str | os.PathLike, *,
+    config: Magi2Config, context: ParallelContext, dtype: torch.dtype, path: str | os.PathLike[str], *,
     resident_layers: int = 0, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
 ) -> tuple[Magi2Transformer, LayerStreamer]:
     """A `Magi2Transformer` on `context.device` whose layers after the first
@@ -376,7 +388,7 @@ def _random_tensors(
 
 
 def write_random_checkpoint(
-    config: Magi2Config, path: str | os.PathLike, seed: int = 0, *,
+    config: Magi2Config, path: str | os.PathLike[str], seed: int = 0, *,
     max_shard_bytes: int = 1 << 30,
 ) -> None:
     """Write deterministic random weights for `config` under the released names and dtypes
@@ -385,7 +397,7 @@ def write_random_checkpoint(
 
 
 def write_random_tensors(
-    spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike,
+    spec: dict[str, tuple[tuple[int, ...], torch.dtype]], path: str | os.PathLike[str],
     seed: int = 0, *, max_shard_bytes: int = 1 << 30,
 ) -> None:
     """Write deterministic random tensors of `spec` (name -> (shape, dtype)).

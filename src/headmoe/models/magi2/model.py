@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -52,7 +53,7 @@ from headmoe.layers.mhc import mhc_input, mhc_mix, mhc_update
 from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
 from headmoe.layers.rope import apply_rope, default_bands
 from headmoe.models.common import PlannedModel, RowPlan, embed_rows, row_plan_fields, sp_counts
-from headmoe.models.magi2.config import AUDIO, VIDEO, Magi2Config
+from headmoe.models.magi2.config import AUDIO, VIDEO, Magi2Config, TransformerShape
 from headmoe.models.magi2.config import validate_parallel as _validate_parallel
 from headmoe.models.magi2.packing import (
     BranchInput,
@@ -124,7 +125,8 @@ class Attention(nn.Module):
         if par.sp > 1:
             o = ulysses_heads_to_seq(o, par.sp_group, par.counts, counters=par.counters)
         o = o.float() * sigmoid(gate)[:, :, None]
-        return self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups)
+        out: torch.Tensor = self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups)
+        return out
 
 
 class DenseMLP(nn.Module):
@@ -142,7 +144,8 @@ class DenseMLP(nn.Module):
     def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm(u, plan.modality)
-        return self.down_proj(swiglu7(self.up_gate_proj(n, plan.groups)), plan.groups)
+        out: torch.Tensor = self.down_proj(swiglu7(self.up_gate_proj(n, plan.groups)), plan.groups)
+        return out
 
 
 class MoEMLP(nn.Module):
@@ -187,11 +190,12 @@ class MoEMLP(nn.Module):
         n = self.pre_norm(u, plan.modality)
         z = self.split_linear(n).to(self.dtype)
         moe = self.moe_mlp(z, plan.parallel)
-        routed = self.merge_linear(moe)
+        routed: torch.Tensor = self.merge_linear(moe)
         shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n)))
         h = self.modality_specific_shared_expert_fc1(n, plan.groups)
         modal = self.modality_specific_shared_expert_fc2(swiglu7(h), plan.groups)
-        return routed + shared + modal
+        out: torch.Tensor = routed + shared + modal
+        return out
 
 
 class Magi2Layer(nn.Module):
@@ -280,9 +284,10 @@ class PreAdapter(nn.Module):
     `[V]`; the V columns are the n streams, stream-major) and the rotary bands. `width`
     replaces V (the refiner's adapters: C, one stream)."""
 
-    def __init__(self, config: Magi2Config, width: int | None = None) -> None:
+    def __init__(self, config: TransformerShape, width: int | None = None) -> None:
         super().__init__()
-        v = config.mhc_width if width is None else width
+        # only a Magi2Config has mHC streams; the refiner (one stream) passes `width`
+        v = cast(Magi2Config, config).mhc_width if width is None else width
         self.video_embedder = Linear(config.video_in_channels, v, bias=True)
         self.text_embedder = Linear(config.text_in_channels, v, bias=True)
         self.audio_embedder = Linear(config.audio_in_channels, v, bias=True)
@@ -297,16 +302,17 @@ class PostAdapter(nn.Module):
     """fp32 final_norm_{video,audio}.weight `[V]`, final_linear_{video,audio}.weight
     `[out, V]` (no bias); `width` replaces V."""
 
-    def __init__(self, config: Magi2Config, width: int | None = None) -> None:
+    def __init__(self, config: TransformerShape, width: int | None = None) -> None:
         super().__init__()
-        v = config.mhc_width if width is None else width
+        # only a Magi2Config has mHC streams; the refiner (one stream) passes `width`
+        v = cast(Magi2Config, config).mhc_width if width is None else width
         self.final_norm_video = RMSNorm(v, config.norm_eps)
         self.final_norm_audio = RMSNorm(v, config.norm_eps)
         self.final_linear_video = Linear(v, config.video_in_channels)
         self.final_linear_audio = Linear(v, config.audio_in_channels)
 
 
-class Magi2Transformer(PlannedModel[ForwardPlan]):
+class Magi2Transformer(PlannedModel[ForwardPlan, PackedInputs, torch.Tensor]):
     """The MAGI-2 transformer, sharded by the given `ParallelContext`.
 
     `dtype` (fp32 or bf16) is the dtype of the linears and experts and of the state between

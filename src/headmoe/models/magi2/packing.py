@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -156,7 +157,8 @@ def _branch_parts(br: BranchInput) -> list[tuple[int, torch.Tensor, float]]:
     parts = [(VIDEO, br.video.reshape(-1, br.video.shape[-1]), br.t_video),
              (AUDIO, br.audio, br.t_audio), (TEXT, br.text, 0.0)]
     if br.image is not None:
-        parts += [(TEXT, br.image_token.reshape(1, -1), 0.0),
+        token = cast(torch.Tensor, br.image_token)  # _check_image pairs it with the image
+        parts += [(TEXT, token.reshape(1, -1), 0.0),
                   (VIDEO, br.image.reshape(-1, br.image.shape[-1]), 0.0)]
     return parts
 

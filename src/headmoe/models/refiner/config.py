@@ -10,8 +10,9 @@ section (the `arch` object of golden/magi2_refiner/config.json).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TypedDict, cast
 
 from headmoe.config import ParallelConfig, check_positive_int, is_int
 from headmoe.models.magi2.config import PARAMS_DTYPES, TransformerShape, config_from_json
@@ -51,10 +52,10 @@ class Magi2RefinerConfig(TransformerShape):
         for f in fields(self):
             if f.type == "int":
                 check_positive_int(f.name, getattr(self, f.name))
-        for f in ("radius_t", "radius_h", "radius_w"):
-            v = getattr(self, f)
+        for radius in ("radius_t", "radius_h", "radius_w"):
+            v = getattr(self, radius)
             if not is_int(v) or v < 0:
-                raise ValueError(f"{f} must be an int >= 0, got {v!r}")
+                raise ValueError(f"{radius} must be an int >= 0, got {v!r}")
         layers = self.multimodal_layers
         if not isinstance(layers, tuple) or any(
             not is_int(i) or not 0 <= i < self.num_layers for i in layers
@@ -86,13 +87,13 @@ class Magi2RefinerConfig(TransformerShape):
     def radius(self) -> tuple[int, int, int]:
         return (self.radius_t, self.radius_h, self.radius_w)
 
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["multimodal_layers"] = list(self.multimodal_layers)
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], name: str = "custom") -> Magi2RefinerConfig:
+    def from_dict(cls, data: object, name: str = "custom") -> Magi2RefinerConfig:
         """A config from `to_dict()`'s output, the upstream model section (keys
         `mm_layers`, `num_heads_q`, ...) or SandAI's nested form (``arch`` / ``data_proxy`` /
         ``evaluation``, as golden/magi2_refiner/config.json), whose data-proxy and
@@ -116,7 +117,7 @@ class Magi2RefinerConfig(TransformerShape):
             raise ValueError(f"refiner config: {e}") from None
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> Magi2RefinerConfig:
+    def from_json(cls, path: str | os.PathLike[str]) -> Magi2RefinerConfig:
         """`from_dict` of a JSON file; errors name the file."""
         return config_from_json(cls.from_dict, path, "refiner config")
 
@@ -133,7 +134,7 @@ _UPSTREAM_FIELDS = {
 }
 
 
-def _from_upstream(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
+def _from_upstream(data: dict[str, object], name: str) -> Magi2RefinerConfig:
     unknown = sorted(set(data) - _UPSTREAM_FIELDS)
     if unknown:
         raise ValueError(f"refiner config has unknown fields: {', '.join(unknown)}")
@@ -143,7 +144,7 @@ def _from_upstream(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
                              f"(the released refiner has {fixed!r})")
     n = data.get("num_layers")
     local = data.get("local_attn_layers")
-    if local is not None and is_int(n) and list(local) != list(range(n)):
+    if local is not None and is_int(n) and list(cast(Iterable[object], local)) != list(range(n)):
         raise ValueError(f"refiner config field local_attn_layers={local!r} is not supported "
                          f"(every layer uses the block-grid attention)")
     dtype = str(data.get("params_dtype", "bfloat16")).removeprefix("torch.")
@@ -151,8 +152,10 @@ def _from_upstream(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
                                    "video_in_channels", "audio_in_channels", "text_in_channels")
               if k in data}
     try:
-        cfg = Magi2RefinerConfig(name=name, multimodal_layers=tuple(data["mm_layers"]),
-                                 params_dtype=dtype, **kwargs)
+        layers = tuple(cast(Iterable[int], data["mm_layers"]))
+        # JSON values; __post_init__ checks them
+        cfg = Magi2RefinerConfig(name=name, multimodal_layers=layers,
+                                 params_dtype=dtype, **kwargs)  # type: ignore[arg-type]
     except TypeError as e:
         raise ValueError(f"refiner config: {e}") from None
     for key, want in (("num_heads_q", cfg.num_attention_heads),
@@ -166,7 +169,18 @@ def _from_upstream(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
 #: section 2): its steps, shift, text guidance and re-noise index; `headmoe.pipeline.refine`
 #: runs them. A nested config must have these values; its other evaluation fields (the
 #: preview's recipe, the audio guidance the refiner does not use) are read and not used.
-RELEASED_EVALUATION: dict[str, Any] = {
+class ReleasedEvaluation(TypedDict):
+    """The keys and value types of `RELEASED_EVALUATION`."""
+
+    magi2_refiner_num_inference_steps: int
+    magi2_refiner_shift: float
+    magi2_refiner_video_txt_guidance_scale: float
+    magi2_refiner_noise_value: int
+    magi2_refiner_vae_stride: list[int]
+    magi2_refiner_patch_size: list[int]
+
+
+RELEASED_EVALUATION: ReleasedEvaluation = {
     "magi2_refiner_num_inference_steps": 5, "magi2_refiner_shift": 5.0,
     "magi2_refiner_video_txt_guidance_scale": 2.0, "magi2_refiner_noise_value": 220,
     "magi2_refiner_vae_stride": [4, 16, 16], "magi2_refiner_patch_size": [1, 1, 1],
@@ -177,7 +191,7 @@ _EVALUATION_UNUSED = {
 }
 #: the released refiner's data-proxy fields: patching, coordinates and the block-grid
 #: attention (8 x 4 x 4 blocks, radius 2 on every axis, no full-attention layer)
-RELEASED_DATA_PROXY: dict[str, Any] = {
+RELEASED_DATA_PROXY: dict[str, object] = {
     "t_patch_size": 1, "patch_size": 1, "text_offset": 0, "coords_style": "v1",
     "spatial_rope_interpolation": "extra", "magi2_refiner_condition_input": "none",
     "attn_config": {
@@ -192,7 +206,7 @@ _DATA_PROXY_UNUSED = {"frame_receptive_field", "attn_config.window.win_size",
                       "attn_config.window.auto_range_merge", "attn_config.window.sparse_load"}
 
 
-def _check_section(data: Any, released: dict[str, Any], unused: set[str], path: str) -> None:
+def _check_section(data: object, released: Mapping[str, object], unused: set[str], path: str) -> None:
     """Every field of ``data`` is a released one with its value, or a known unused one."""
     if not isinstance(data, dict):
         raise ValueError(f"refiner config field {path} must be a JSON object, "
@@ -204,14 +218,15 @@ def _check_section(data: Any, released: dict[str, Any], unused: set[str], path: 
             continue
         if key not in released:
             raise ValueError(f"refiner config has unknown field {path}.{key}")
-        if isinstance(released[key], dict):
-            _check_section(value, released[key], unused, f"{path}.{key}")
-        elif value != released[key] or type(value) is bool:
+        want = released[key]
+        if isinstance(want, dict):
+            _check_section(value, want, unused, f"{path}.{key}")
+        elif value != want or type(value) is bool:
             raise ValueError(f"refiner config field {path}.{key}={value!r} differs from the "
-                             f"released refiner's {released[key]!r}")
+                             f"released refiner's {want!r}")
 
 
-def _from_nested(data: dict[str, Any], name: str) -> Magi2RefinerConfig:
+def _from_nested(data: dict[str, object], name: str) -> Magi2RefinerConfig:
     unknown = sorted(set(data) - {"arch", "data_proxy", "evaluation"})
     if unknown:
         raise ValueError(f"refiner config has unknown fields: {', '.join(unknown)}")
@@ -240,11 +255,12 @@ PRESETS: dict[str, Magi2RefinerConfig] = {
 }
 
 
-def get_refiner_config(name: str, **overrides: Any) -> Magi2RefinerConfig:
+def get_refiner_config(name: str, **overrides: object) -> Magi2RefinerConfig:
     """A preset ("magi2-refiner", "tiny-refiner"), optionally with fields replaced."""
     if name not in PRESETS:
         raise ValueError(f"refiner config name must be one of {sorted(PRESETS)}, got {name!r}")
-    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    # replace() refuses unknown names at run time; __post_init__ checks the values
+    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]  # type: ignore[arg-type]
 
 
 def validate_parallel(config: Magi2RefinerConfig, parallel: ParallelConfig) -> None:

@@ -62,7 +62,7 @@ def refiner_weight_bytes(config: Magi2RefinerConfig, dtype: torch.dtype | None =
 
 
 def check_refiner_checkpoint(
-    config: Magi2RefinerConfig, path: str | os.PathLike, param_dtype: torch.dtype | None = None
+    config: Magi2RefinerConfig, path: str | os.PathLike[str], param_dtype: torch.dtype | None = None
 ) -> tuple[dict[str, tuple[str, tuple[int, ...], str]], LoadReport]:
     """Check a refiner checkpoint's headers against `config` without reading a tensor;
     raises `ValueError` naming every missing, unexpected, mis-shaped or non-float tensor.
@@ -74,7 +74,7 @@ def check_refiner_checkpoint(
 
 
 def load_refiner(
-    model: Magi2Refiner, path: str | os.PathLike, *, max_batch_bytes: int = LOAD_BATCH_BYTES,
+    model: Magi2Refiner, path: str | os.PathLike[str], *, max_batch_bytes: int = LOAD_BATCH_BYTES,
     skip: Callable[[str], bool] | None = None,
 ) -> LoadReport:
     """Load `path` (a `.safetensors` file or a `*.safetensors.index.json`) into `model`:
@@ -89,7 +89,7 @@ def load_refiner(
 
 def stream_refiner(
     config: Magi2RefinerConfig, context: ParallelContext, dtype: torch.dtype,
-    path: str | os.PathLike, *, resident_layers: int = 0, slots: int = DEFAULT_SLOTS,
+    path: str | os.PathLike[str], *, resident_layers: int = 0, slots: int = DEFAULT_SLOTS,
     timeout_s: float = 300.0,
 ) -> tuple[Magi2Refiner, LayerStreamer]:
     """A `Magi2Refiner` on `context.device` whose layers after the first `resident_layers`
@@ -109,7 +109,7 @@ def stream_refiner(
 
 
 def write_random_refiner(
-    config: Magi2RefinerConfig, path: str | os.PathLike, seed: int = 0, *,
+    config: Magi2RefinerConfig, path: str | os.PathLike[str], seed: int = 0, *,
     max_shard_bytes: int = 1 << 30,
 ) -> None:
     """Deterministic random refiner weights under the released names and dtypes

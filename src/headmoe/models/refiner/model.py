@@ -43,7 +43,8 @@ from headmoe.distributed.sharding import sp_kv_heads
 from headmoe.layers.activations import sigmoid, swiglu7
 from headmoe.layers.linear import ModalityLinear
 from headmoe.layers.norms import ModalityRMSNorm
-from headmoe.layers.range_attention import RangePlan, range_attention
+from headmoe.layers.range_attention import range_attention
+from headmoe.layers.range_plan import RangePlan
 from headmoe.layers.rope import apply_rope
 from headmoe.models.common import (
     PlannedModel,
@@ -130,7 +131,8 @@ class RefinerAttention(nn.Module):
         q, k, v = self._qkv(a, plan)
         o = self._attend(q, k, v, plan)
         o = o.float() * sigmoid(gate)[:, :, None]
-        out = self.linear_proj(o.reshape(h.shape[0], self.hq * self.head_dim), plan.groups)
+        out: torch.Tensor = self.linear_proj(o.reshape(h.shape[0], self.hq * self.head_dim),
+                                             plan.groups)
         return out.to(self.dtype)
 
 
@@ -183,7 +185,7 @@ class RefinerBlock(nn.Module):
                                     for i in range(config.num_layers))
 
 
-class Magi2Refiner(PlannedModel[RefinerPlan]):
+class Magi2Refiner(PlannedModel[RefinerPlan, RefinerPacked, tuple[torch.Tensor, torch.Tensor]]):
     """The refiner, sharded by the given `ParallelContext` (Ulysses SP; CFG and DP only
     choose which forwards a rank runs). `dtype` (fp32 or bf16) is the dtype of the layer
     linears. Parameters start at zeros; load weights with `load_refiner`. Inference only.

@@ -21,10 +21,11 @@ by, every row (REFINER.md section 6).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from headmoe.layers.range_attention import RangePlan
+from headmoe.layers.range_plan import RangePlan
 from headmoe.models.magi2.config import TEXT, VIDEO
 from headmoe.models.magi2.packing import branch_coords
 from headmoe.models.refiner.config import Magi2RefinerConfig
@@ -44,8 +45,8 @@ class BlockGrid:
 
     @classmethod
     def of(cls, thw: tuple[int, int, int], config: Magi2RefinerConfig) -> BlockGrid:
-        grid = tuple(-(-n // b) for n, b in zip(thw, config.block_size))
-        return cls(tuple(thw), grid, config.block_size, config.radius)
+        grid = cast(tuple[int, int, int], tuple(-(-n // b) for n, b in zip(thw, config.block_size)))
+        return cls(cast(tuple[int, int, int], tuple(thw)), grid, config.block_size, config.radius)
 
     @property
     def num_blocks(self) -> int:
@@ -176,7 +177,9 @@ def attention_plan(packed: RefinerPacked, tail_tile_rows: int = TAIL_TILE_ROWS) 
     every row [0, N)."""
     grid, n, nv = packed.grid, packed.num_tokens, packed.num_video
     ranges = packed.block_ranges.tolist()
-    tiles, offsets, keys = [], [0], []
+    tiles: list[tuple[int, int]] = []
+    keys: list[tuple[int, int]] = []
+    offsets = [0]
     for b, (a, e) in enumerate(ranges):
         if e == a:
             continue
