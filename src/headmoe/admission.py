@@ -5,8 +5,8 @@
     admitted.request            # GenerateRequest, every field filled
     admitted.sources            # field -> "flag" / "request" / "model default"
 
-``generate``, ``serve``, ``compare`` and ``plan`` all call `admit` (or, for a request
-without a prompt, `resolve_shape`); a refusal is a `Refusal` carrying the field, the value
+``generate``, ``serve``, ``compare`` and ``plan`` all call `admit` (``plan`` with a
+placeholder prompt and its own token counts); a refusal is a `Refusal` carrying the field, the value
 and a one-line message in field names, so every entry point gives the same verdict (the
 command line shows the fields as flags, the HTTP API returns the field as ``param``).
 

@@ -26,6 +26,8 @@ from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
 from headmoe.models.magi2 import Magi2Config, get_config, validate_parallel
+from headmoe.models.magi2.config import PRESETS
+from headmoe.models.refiner import get_refiner_config
 from headmoe.pipeline.deployment import UNCHECKED, Budget, Deployment, check_timeout
 from headmoe.planner.memory import StreamSettings, memory_limit
 from headmoe.release import folder as rel
@@ -34,6 +36,8 @@ from headmoe.release.text_encoder import TokenCounter
 
 #: the largest memory budget a flag may give (GiB per rank)
 MAX_BUDGET_GIB = 1 << 20
+#: the refiner configuration ``plan`` prices (the release's refiner/)
+PLANNED_REFINER = "magi2-refiner"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +71,9 @@ class DeploymentOptions:
     config_only: bool = False
     """Read the model's configuration only (``compare``: no world, no budget, no weight
     header; each run's own ``generate`` checks those)."""
+    plan: bool = False
+    """A plan (``plan``, `plan_deployment`): the configuration only, on GPUs, with the
+    budget, the streaming and the refiner the planner prices; no world, no weight header."""
 
 
 def build_deployment(opts: DeploymentOptions) -> Deployment:
@@ -78,6 +85,8 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
     if opts.config_only:
         return Deployment(model_config=model_config_of(opts), model=opts.model,
                           parallel=opts.parallel)
+    if opts.plan:
+        return plan_deployment(opts)
     world = check_world(opts.nproc, opts.parallel)
     check_timeout(opts.timeout)
     if opts.model == "tiny" or rel.is_release_folder(opts.model):
@@ -111,6 +120,22 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         return dep
     return dataclasses.replace(dep, resident_refiner=dep.has_refiner,
                                dtype=opts.dtype or dep.recipe.default("dtype", device))
+
+
+def plan_deployment(opts: DeploymentOptions) -> Deployment:
+    """The `Deployment` ``plan`` sizes layouts on: the model's configuration (a preset of any
+    size, or `model_config_of`'s), "cuda" ranks (the recipe's GPU defaults), the
+    budget of ``max_memory_gib`` (0: no limit), the layer streaming, ``offload`` and the
+    released refiner's configuration (the refiner stage it prices). Nothing is read but
+    configuration files."""
+    model_config = get_config(opts.model) if opts.model in PRESETS else model_config_of(opts)
+    check_stream(opts.offload_layers, opts.resident_layers, model_config.num_layers)
+    return Deployment(
+        model_config=model_config, model=opts.model, parallel=opts.parallel, device="cuda",
+        budget=memory_budget(opts.max_memory_gib, opts.budget_flag, 1, "cuda"),
+        describe=f"--model {opts.model} (config {model_config.name})", offload=opts.offload,
+        offload_layers=opts.offload_layers, resident_layers=opts.resident_layers,
+        refiner_config=get_refiner_config(PLANNED_REFINER))
 
 
 def model_config_of(opts: DeploymentOptions) -> Magi2Config:

@@ -169,3 +169,11 @@ def test_no_import_cycle_in_the_cli():
 
     for module in graph:
         visit(module, [])
+
+
+def test_refusal_text_shows_the_refusal_fields_from_the_table():
+    text = "seconds=4 at fps=12.5 means num_frames=49, which contradicts num_frames=14"
+    assert flags.refusal_text("seconds,num_frames", text) == (
+        "--seconds=4 at --fps=12.5 means --num-frames=49, which contradicts --num-frames=14")
+    quoted = "seed=5 (ValueError: seed=3)"
+    assert flags.refusal_text("seed", quoted) == "--seed=5 (ValueError: seed=3)"

@@ -20,7 +20,7 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from headmoe.cli.flags import as_flags
+from headmoe.cli.flags import refusal_text
 from headmoe.errors import Refusal, RuntimeFault, UserError
 
 BAD_INPUT, FAULT, INTERRUPTED = 2, 1, 130
@@ -62,7 +62,7 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
     if isinstance(exc, RuntimeFault):
         return FAULT, one_line(exc)
     if isinstance(exc, Refusal):  # a request field: its name shown as the flag that sets it
-        message = as_flags(one_line(exc.message), assignments_only=True)
+        message = refusal_text(exc.field, one_line(exc.message))
         return BAD_INPUT, f"{message}, see 'headmoe {command} --help'"
     if isinstance(exc, UserError):
         return BAD_INPUT, one_line(exc)
@@ -131,12 +131,6 @@ def _guarded(fn: Callable[[], int], command: str, debug: bool) -> int:
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - this is the boundary
-        signum = getattr(exc, "sigval", None)  # torch elastic's SignalException (launcher)
-        if type(exc).__name__ == "SignalException" and signum is not None:
-            if debug:
-                traceback.print_exc()
-            print("headmoe: interrupted", file=sys.stderr)
-            return 128 + int(signum)
         code, message = describe(exc, command)
         if debug:
             traceback.print_exc()

@@ -5,8 +5,8 @@ field (`ParallelConfig`, the request's fields `headmoe.admission.INPUT_FIELDS`,
 `headmoe.deployment.DeploymentOptions`, or the command line itself) and its argparse
 arguments. The subcommands add their flags from it (`add`), read the objects back from the
 parsed namespace (`parallel_of`, `given_request`, `options_of`), and show a field as the
-flag that sets it (`flag_of`, `as_flags`: a refusal's ``name=value`` as ``--name=value``)
-from the same table.
+flag that sets it (`flag_of`; `refusal_text`: a refusal's fields, `Refusal.field`, as their
+flags from the same table; `as_flags`: the scan kept for messages that carry no field).
 """
 
 from __future__ import annotations
@@ -238,11 +238,45 @@ def _quoted_errors(text: str) -> list[tuple[int, int]]:
 _BEFORE = " \t\n(,'\""
 
 
+def refusal_text(field_names: str, text: str) -> str:
+    """A `Refusal`'s message ``text`` as the command line shows it: each field of its
+    ``field_names`` (`Refusal.field`) written ``name=`` becomes its flag from the table
+    (`refusal_flags`, no scan); then `as_flags` shows the fields the message names besides
+    its own (the ``fps=`` of a seconds/num_frames contradiction, the ``max_time=`` of the
+    time limit)."""
+    own = [n for n in field_names.split(",") if n in BY_DEST or n in ALIASES]
+    for name, flag in zip(own, refusal_flags(field_names), strict=True):
+        text = _rewrite(text, name, flag)
+    return as_flags(text, assignments_only=True)
+
+
+def _rewrite(text: str, name: str, flag: str) -> str:
+    """``text`` with ``name=`` at a word's start shown as ``flag=`` (not inside another
+    library's error quoted in parentheses)."""
+    quoted = _quoted_errors(text)
+    out, i = [], 0
+    while i < len(text):
+        span = next((s for s in quoted if s[0] == i), None)
+        if span is not None:
+            out.append(text[span[0]:span[1]])
+            i = span[1]
+        elif (i == 0 or text[i - 1] in _BEFORE) and text.startswith(name + "=", i):
+            out.append(flag)
+            i += len(name)
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def as_flags(text: str, assignments_only: bool = False) -> str:
     """``text`` with each field of `FLAGS` written ``name=`` (and, unless
-    ``assignments_only``, as for admission's refusals, which always write ``name=value``, a
-    leading or free-standing ``name ``) shown as its flag; not inside another library's
-    error quoted in parentheses."""
+    ``assignments_only``, a leading or free-standing ``name ``) shown as its flag; not inside
+    another library's error quoted in parentheses. A scan of the text: for the errors that
+    carry no `Refusal.field` (the ValueErrors of the layers below the command line that
+    name a field: `headmoe.deployment.build_deployment`'s, the release folder's checks,
+    `ParallelConfig`'s and `headmoe.pipeline.deployment.check_timeout`'s) and for the fields
+    a refusal's message names besides its own (`refusal_text`)."""
     follow = "=" if assignments_only else "= "
     names = sorted((*(f.dest for f in FLAGS if f.named), *ALIASES), key=len, reverse=True)
     quoted = _quoted_errors(text)

@@ -15,13 +15,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from headmoe.admission import REFINER_FIELDS, Admitted, admit
 from headmoe.cli import flags
 from headmoe.cli.errors import UserError, run_guarded
 from headmoe.config import GIB, MIB, ParallelConfig
-from headmoe.deployment import MAX_BUDGET_GIB, check_stream
-from headmoe.models.magi2.config import PRESETS, get_config
-from headmoe.models.magi2.packing import image_rows
-from headmoe.pipeline.image import max_latent_size
+from headmoe.deployment import MAX_BUDGET_GIB, build_deployment, stream_of
+from headmoe.models.magi2.config import PRESETS
+from headmoe.pipeline.deployment import UNCHECKED, Deployment
 from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
@@ -134,21 +134,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def refiner_section(args: argparse.Namespace, request: RequestShape, plans: list[LayoutPlan]
-                    ) -> tuple[dict[str, Any] | None, str]:
-    """The refiner stage of ``plan`` (`headmoe.planner.refiner`): (JSON object, text), or
-    (None, "") without the refiner flags."""
-    from headmoe.admission import REFINER_FIELDS, check_given, refiner_stage
-    from headmoe.models.refiner import get_refiner_config
+def refiner_section(args: argparse.Namespace, request: RequestShape, plans: list[LayoutPlan],
+                    stage: Any, cfg: Any) -> tuple[dict[str, Any] | None, str]:
+    """The refiner stage of ``plan`` (`headmoe.planner.refiner`): ``stage`` the admitted
+    `RefinerStage` (None without the refiner flags: (None, "")), ``cfg`` the deployment's
+    refiner configuration; (JSON object, text)."""
     from headmoe.planner.refiner import plan_refiner
 
-    given = {k: getattr(args, k) for k in ("resolution", *REFINER_FIELDS)
-             if getattr(args, k, None) is not None}
-    check_given(given)  # a Refusal names the flag
-    stage = refiner_stage(given)
     if stage is None:
         return None, ""
-    cfg = get_refiner_config("magi2-refiner")
     thw = stage.latent_thw(request.video_latent[0])
     work, rplans = plan_refiner(cfg, thw, request.text_tokens[0], [p.parallel for p in plans],
                                 DTYPES[args.dtype], stage.steps)
@@ -182,34 +176,33 @@ register = add_parser
 SHAPE_FIELDS = ("height", "width", "size", "num_frames", "seconds", "fps", "resolution")
 
 
-def request_from_args(args: argparse.Namespace, model: Any) -> RequestShape:
-    """The request shape of the flags, resolved by admission's rules (`resolve`: ranges,
-    contradictions, the decoders' geometry, the model's recipe for what is left out;
-    `Refusal` names the field) plus the text encoder's token limit. Sets ``args.shape``
-    (height, width, num_frames, fps as resolved) and ``args.dtype`` (the recipe's on a GPU
-    when not given) for the command `plan` prints."""
-    from headmoe.admission import check_geometry, resolve
-    from headmoe.pipeline.recipe import recipe_for
+def request_from_args(args: argparse.Namespace, dep: Deployment) -> Admitted:
+    """The request `plan` sizes, admitted once on ``dep`` (`admit`: ranges,
+    contradictions, the decoders' geometry, the model's GPU recipe for what is left out, the
+    refiner fields; `Refusal` names the field) plus the text encoder's token limit. `plan`
+    gives token counts, not text: the request carries `PLACEHOLDER_PROMPT` and the
+    returned ``shape`` the counts of ``--text-tokens`` / ``--uncond-text-tokens``.
+    ``dep``'s budget is not checked here (`plan` sweeps layouts and recommends one, it
+    does not refuse the default layout): `plan_world` checks it per layout. Sets
+    ``args.shape`` (height, width, num_frames, fps as resolved) and ``args.dtype`` for the
+    command `plan` prints."""
     from headmoe.pipeline.released import MAX_TEXT_TOKENS
 
     uncond = args.text_tokens if args.uncond_text_tokens is None else args.uncond_text_tokens
-    given = {k: getattr(args, k) for k in SHAPE_FIELDS if getattr(args, k, None) is not None}
-    values, _, _ = resolve(given, recipe_for(model), "cuda")
-    check_geometry(values["num_frames"], values["height"], values["width"])
+    given = {k: getattr(args, k) for k in (*SHAPE_FIELDS, "dtype", *REFINER_FIELDS)
+             if getattr(args, k, None) is not None}
+    admitted = admit({**given, "prompt": PLACEHOLDER_PROMPT},
+                     dataclasses.replace(dep, budget=UNCHECKED), image=args.image)
     for flag, value in (("--text-tokens", args.text_tokens), ("--uncond-text-tokens", uncond)):
         if not 1 <= value <= MAX_TEXT_TOKENS:
             raise UserError(f"{flag} must be in [1, {MAX_TEXT_TOKENS}] (the text encoder keeps "
                             f"at most {MAX_TEXT_TOKENS} tokens), got {value}")
-    args.shape = {k: values[k] for k in ("height", "width", "num_frames", "fps")}
-    args.dtype = args.dtype or values["dtype"]
-    return RequestShape.from_media(
-        height=values["height"],
-        width=values["width"],
-        num_frames=values["num_frames"],
-        fps=values["fps"],
-        text_tokens=args.text_tokens,
-        uncond_text_tokens=uncond,
-    )
+    req = admitted.request
+    args.shape = {"height": req.height, "width": req.width, "num_frames": req.num_frames,
+                  "fps": req.fps}
+    args.dtype = req.dtype
+    shape = dataclasses.replace(admitted.shape, text_tokens=(args.text_tokens, uncond))
+    return dataclasses.replace(admitted, shape=shape)
 
 
 #: the columns of the default table (`--wide`: every column of `_row`) and their short
@@ -431,20 +424,15 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
               "between uses).")
 
 
-def model_from_arg(args: argparse.Namespace) -> Any:
-    """The `Magi2Config` of ``--model``: a preset, or a release folder's (`release_config`;
-    the folder then also sizes the components unless ``--release`` names another)."""
+def check_model_arg(args: argparse.Namespace) -> None:
+    """``--model`` is a preset or a release folder (the folder then also sizes the
+    components unless ``--release`` names another); `UserError` otherwise."""
     if args.model in PRESETS:
-        return get_config(args.model)
+        return
     if not os.path.isdir(args.model):
         raise UserError(f"--model {args.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
                         " nor a release folder")
-    from pathlib import Path
-
-    from headmoe.release.folder import release_config
-
     args.release = args.release or args.model
-    return release_config(Path(args.model))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -452,26 +440,30 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise UserError(f"--world-size must be a positive number of ranks, at most "
                         f"{MAX_WORLD_SIZE:,}, got {args.world_size}, e.g. --world-size 8")
-    model = model_from_arg(args)  # a ValueError is reported by headmoe.cli.errors
-    request = request_from_args(args, model)
+    check_model_arg(args)
     if not (math.isfinite(args.memory_gib) and 0 <= args.memory_gib <= MAX_BUDGET_GIB):
         raise UserError(f"--memory-gib must be a number of GiB in [0, {MAX_BUDGET_GIB:,}] "
                         f"(0: no limit), got {args.memory_gib!r}")
-    memory = None if args.memory_gib == 0 else int(args.memory_gib * GIB)
+    # the one builder (a ValueError is reported by headmoe.cli.errors); each layout of the
+    # sweep is this deployment with its ParallelConfig (`plan_world`)
+    dep = build_deployment(flags.options_of(args, plan=True, parallel=ParallelConfig(),
+                                            max_memory_gib=args.memory_gib,
+                                            budget_flag="--memory-gib"))
+    model = dep.model_config
+    admitted = request_from_args(args, dep)
+    request = admitted.shape
     if args.release is not None and not os.path.isdir(args.release):
         raise UserError(f"--release {args.release!r} is not a folder; pass the release's "
                         "root folder")
-    image = getattr(args, "image", False)
-    parts = component_bytes(args.release or args.model, args.video_decoder, image)
-    if image:
-        request = dataclasses.replace(request, image_tokens=image_rows(
-            *max_latent_size(args.shape["height"], args.shape["width"])))
-    stream = check_stream(args.offload_layers, args.resident_layers, model.num_layers)
+    parts = component_bytes(args.release or args.model, args.video_decoder, args.image)
+    stream = stream_of(dep)
     if not args.h2d_gbps > 0:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
+    memory = dep.budget.limit
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
-                               parts, args.ranks_per_node, args.offload, stream, args.h2d_gbps)
-    refiner_data, refiner_text = refiner_section(args, request, plans)
+                               parts, args.ranks_per_node, dep.offload, stream, args.h2d_gbps)
+    refiner_data, refiner_text = refiner_section(args, request, plans, admitted.refiner,
+                                                 dep.refiner_config)
     best = next(p for p in plans if p.recommended)
     over = memory is not None and best.busiest_rank_bytes > memory and not args.offload
     command = run_command(args, best, args.offload or over)

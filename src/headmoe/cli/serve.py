@@ -129,7 +129,7 @@ def build_spec(args: argparse.Namespace) -> tuple[ServeSpec, int]:
         checks.check_weights(dep, False)
     except Refusal as exc:  # the smallest request: the model alone does not fit
         raise ValueError("the weights alone do not fit: "
-                         + flags.as_flags(exc.message, assignments_only=True)) from None
+                         + flags.refusal_text(exc.field, exc.message)) from None
     except ValueError as exc:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flags.as_flags(str(exc))) from None
