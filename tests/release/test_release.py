@@ -328,11 +328,15 @@ def _boom(texts):
 
 
 def _node_broadcast(rank, world_size, folder):
-    """Rank body: two nodes of two ranks; encode, then encode with a failing encoder."""
+    """Rank body: two nodes of two ranks; encode, then encode with a failing encoder. The
+    harness launches the 4 ranks as one node; torchrun would give each node's ranks local
+    ranks 0 and 1, which is what they are told here."""
+    import os
     from datetime import timedelta
 
     from headmoe.config import ParallelConfig
 
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
     ctx = ParallelContext.initialize(ParallelConfig(ulysses_degree=4),
                                      timeout=timedelta(seconds=60))
     try:
