@@ -28,7 +28,7 @@ from headmoe.moe.triton_moe import (
     DEFAULT_TILES,
     KERNELS,
     MoETiles,
-    _check_float,
+    check_routes,
     group_schedule,
     supported,
     triton_cdiv,
@@ -48,14 +48,8 @@ def _check_args(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 w_gate: Fp8Weight, w_up: Fp8Weight, w_down: Fp8Weight,
                 tiles: MoETiles) -> None:
     """ValueError naming the first argument of `experts_triton_fp8` that does not fit."""
-    _check_float("z", z, 3)
-    n, h, d = z.shape
-    if experts.dtype != torch.int64 or experts.dim() != 3 or experts.shape[:2] != (n, h):
-        raise ValueError(f"experts must be int64 [{n}, {h}, k], got "
-                         f"{tuple(experts.shape)} {experts.dtype}")  # fmt: skip
-    if weights.dtype != torch.float32 or weights.shape != experts.shape:
-        raise ValueError(f"weights must be fp32 {tuple(experts.shape)}, got "
-                         f"{tuple(weights.shape)} {weights.dtype}")  # fmt: skip
+    check_routes(z, experts, weights)
+    d = z.shape[2]
     check_fp8_experts(z, w_gate, w_up, w_down)
     if not supported(d, w_gate.shape[2], tiles):
         raise ValueError(f"d={d} must be a multiple of tiles.gate_k={tiles.gate_k} and "

@@ -170,18 +170,26 @@ def group_schedule(
     return tile_group.to(torch.int32), tile_rows.to(torch.int32), order, row
 
 
-def _check_experts_args(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                        tiles: MoETiles) -> None:
-    """ValueError naming the first argument of `experts_triton` with a bad shape or dtype."""
+def check_routes(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> None:
+    """ValueError naming the first of the experts kernels' token inputs that does not fit:
+    z `[N, h, d]` float, experts `[N, h, k]` int64, weights `[N, h, k]` fp32 (every weight
+    format's experts path checks them so)."""
     _check_float("z", z, 3)
-    n, h, d = z.shape
+    n, h, _ = z.shape
     if experts.dtype != torch.int64 or experts.dim() != 3 or experts.shape[:2] != (n, h):
         raise ValueError(f"experts must be int64 [{n}, {h}, k], got "
                          f"{tuple(experts.shape)} {experts.dtype}")  # fmt: skip
     if weights.dtype != torch.float32 or weights.shape != experts.shape:
         raise ValueError(f"weights must be fp32 {tuple(experts.shape)}, got "
                          f"{tuple(weights.shape)} {weights.dtype}")  # fmt: skip
+
+
+def _check_experts_args(z: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                        tiles: MoETiles) -> None:
+    """ValueError naming the first argument of `experts_triton` with a bad shape or dtype."""
+    check_routes(z, experts, weights)
+    _, h, d = z.shape
     rows, f = w_gate.shape[0], (w_gate.shape[2] if w_gate.dim() == 3 else -1)
     expected = {"w_gate": (rows, d, f), "w_up": (rows, d, f), "w_down": (rows, f, d)}
     for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
