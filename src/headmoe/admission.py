@@ -34,7 +34,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 from headmoe.config import GIB, is_number
 from headmoe.deployment import stream_of
@@ -60,6 +60,10 @@ from headmoe.planner.memory import MemoryEstimate, estimate_memory
 from headmoe.planner.request import RequestShape
 from headmoe.release import audio_vae
 
+if TYPE_CHECKING:  # imported where they are used (the refiner and time rules)
+    from headmoe.pipeline.refine import RefinerStage
+    from headmoe.planner.time import TimeEstimate
+
 #: the refiner stage's fields (``resolution="1080p"`` sets its size)
 REFINER_FIELDS: tuple[str, ...] = ("refiner_height", "refiner_width", "refiner_steps")
 #: the fields a request may give: a `GenerateRequest`'s, the three that set its size and
@@ -81,13 +85,13 @@ class Admitted:
     shape: RequestShape
     estimate: MemoryEstimate
     recipe: str
-    given: dict[str, Any]
-    refiner: Any = None
+    given: dict[str, object]
+    refiner: RefinerStage | None = None
     """The `headmoe.pipeline.refine.RefinerStage` (1080p), or None."""
-    time: Any = None
+    time: TimeEstimate | None = None
     """The `headmoe.planner.time.TimeEstimate` of the request on the deployment."""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """What the sidecar records (``admission``)."""
         return {"recipe": self.recipe, "sources": self.sources, "notes": self.notes,
                 "time_estimate_s": None if self.time is None else round(self.time.seconds, 1),
@@ -98,7 +102,7 @@ class Admitted:
 
 
 # ---------------------------------------------------------------------- single fields
-def _seconds(value: Any) -> float:
+def _seconds(value: object) -> float:
     """``seconds``: a number or a numeric string ("4", as OpenAI-style clients send it)."""
     number = value
     if isinstance(value, str):
@@ -113,7 +117,7 @@ def _seconds(value: Any) -> float:
     return float(number)
 
 
-def _size(value: Any) -> tuple[int, int]:
+def _size(value: object) -> tuple[int, int]:
     """``size`` "WxH" (OpenAI / vLLM-Omni) -> (height, width)."""
     m = re.fullmatch(r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*", value) if isinstance(value, str) else None
     if m is None or not all(1 <= int(v) <= MAX_SIDE for v in m.groups()):
@@ -128,7 +132,7 @@ def _size(value: Any) -> tuple[int, int]:
     return height, width
 
 
-def _resolution(value: Any) -> tuple[int, int]:
+def _resolution(value: object) -> tuple[int, int]:
     """(height, width) of the preview stage: the preset's, or for a refiner preset (1080p)
     its preview's (540p: REFINER.md section 1)."""
     if not isinstance(value, str) or value not in RESOLUTIONS:
@@ -149,7 +153,7 @@ def _refiner_field(name: str) -> Callable[[object], int]:
     return parse
 
 
-def refiner_stage(given: Mapping[str, Any]) -> Any:
+def refiner_stage(given: Mapping[str, object]) -> RefinerStage | None:
     """The `RefinerStage` of checked ``given`` fields: a refiner preset's size (1080p:
     1088 x 1920) or the refiner fields, the released steps by default; None without
     either."""
@@ -159,12 +163,15 @@ def refiner_stage(given: Mapping[str, Any]) -> Any:
     if not preset and not any(k in given for k in REFINER_FIELDS):
         return None
     d = RefinerStage()
-    height, width = RESOLUTIONS[given["resolution"]] if preset else (d.height, d.width)
-    return RefinerStage(given.get("refiner_height", height), given.get("refiner_width", width),
-                        given.get("refiner_steps", d.steps))
+    height, width = RESOLUTIONS[cast(str, given["resolution"])] if preset else (d.height,
+                                                                                 d.width)
+    # the refiner fields were checked by `check_given` (`_refiner_field`): ints
+    return RefinerStage(cast(int, given.get("refiner_height", height)),
+                        cast(int, given.get("refiner_width", width)),
+                        cast(int, given.get("refiner_steps", d.steps)))
 
 
-def check_given(given: Mapping[str, Any]) -> dict[str, Any]:
+def check_given(given: Mapping[str, object]) -> dict[str, object]:
     """Steps 1-2 of the module docstring (no deployment needed): each given field's rule,
     then the contradictions. Returns the given fields with ``resolution`` / ``size`` /
     ``seconds`` parsed (tuples, float). Raises `Refusal`."""
@@ -185,24 +192,25 @@ def check_given(given: Mapping[str, Any]) -> dict[str, Any]:
 
 
 #: the decoders' rule of each size field (the defaults of every recipe pass them)
-GEOMETRY: dict[str, Callable[..., Any]] = {
+GEOMETRY: dict[str, Callable[[int], object]] = {
     "height": lambda v: latents.check_side("height", v),
     "width": lambda v: latents.check_side("width", v),
     "num_frames": latents.check_frames,
 }
 
 
-def _geometry(name: str, value: Any, rule: Callable[[Any], Any]) -> None:
+def _geometry(name: str, value: object, rule: Callable[[int], object]) -> None:
     try:
-        rule(value)
+        rule(cast(int, value))  # `check_field` took it: an int
     except ValueError as e:
         raise Refusal(name, value, str(e)) from None
 
 
-def _check_sizes(given: Mapping[str, Any], parsed: Mapping[str, Any]) -> None:
+def _check_sizes(given: Mapping[str, object], parsed: Mapping[str, object]) -> None:
     """``resolution``, ``size`` and ``height`` / ``width`` must agree where several are
     given; so must ``seconds`` and ``num_frames`` (checked in `_frames`)."""
-    sources = [(n, parsed[n]) for n in ("resolution", "size") if n in parsed]
+    sources = [(n, cast(tuple[int, int], parsed[n])) for n in ("resolution", "size")
+               if n in parsed]  # parsed by `_resolution` / `_size`
     for i, (a, (h, w)) in enumerate(sources):
         for b, (h2, w2) in sources[i + 1:]:
             if (h, w) != (h2, w2):
@@ -223,12 +231,12 @@ def frames_for_seconds(seconds: float, fps: float) -> int:
     return stride * max(0, math.floor((seconds * fps - 1) / stride + 1e-9)) + 1
 
 
-def _frames(given: Mapping[str, Any], parsed: Mapping[str, Any], fps: float,
+def _frames(given: Mapping[str, object], parsed: Mapping[str, object], fps: float,
             recipe: Recipe) -> tuple[int | None, list[str]]:
     """(num_frames from ``seconds`` or None, notes)."""
     if "seconds" not in parsed:
         return None, []
-    seconds = parsed["seconds"]
+    seconds = cast(float, parsed["seconds"])  # parsed by `_seconds`
     frames = frames_for_seconds(seconds, fps)
     if "num_frames" in parsed and parsed["num_frames"] != frames:
         raise Refusal("seconds,num_frames", given["num_frames"],
@@ -245,12 +253,12 @@ def _frames(given: Mapping[str, Any], parsed: Mapping[str, Any], fps: float,
     return frames, notes
 
 
-def resolve(given: Mapping[str, Any], recipe: Recipe, device: str,
-            origin: str = GIVEN_BY_FLAG) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+def resolve(given: Mapping[str, object], recipe: Recipe, device: str,
+            origin: str = GIVEN_BY_FLAG) -> tuple[dict[str, object], dict[str, str], list[str]]:
     """(values of every `GenerateRequest` field but the prompt when absent, their sources,
     notes): the given fields (checked by `check_given`), the rest from ``recipe``."""
     parsed = check_given(given)
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     sources: dict[str, str] = {}
     for name in REQUEST_FIELDS:
         if name in parsed:
@@ -259,9 +267,9 @@ def resolve(given: Mapping[str, Any], recipe: Recipe, device: str,
             values[name], sources[name] = recipe.default(name, device), MODEL_DEFAULT
     for key in ("size", "resolution"):  # a preset or size gives height and width
         if key in parsed:
-            (values["height"], values["width"]) = parsed[key]
+            (values["height"], values["width"]) = cast(tuple[int, int], parsed[key])
             sources["height"] = sources["width"] = f"{origin} ({key})"
-    frames, notes = _frames(given, parsed, values["fps"], recipe)
+    frames, notes = _frames(given, parsed, cast(float, values["fps"]), recipe)
     if frames is not None:
         values["num_frames"], sources["num_frames"] = frames, f"{origin} (seconds)"
     return values, sources, notes
@@ -309,7 +317,7 @@ def request_shape(req: GenerateRequest, count_tokens: Callable[[str], int] | Non
     return RequestShape(latent, audio, (count(req.prompt), count(req.negative_prompt)), rows)
 
 
-def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG,
+def admit(given: Mapping[str, object], dep: Deployment, origin: str = GIVEN_BY_FLAG,
           image: bool = False) -> Admitted:
     """The checked, resolved request of ``given`` (field -> value; fields left out take the
     model's recipe) on ``dep``, or `Refusal` (module docstring: what is checked, in order).
@@ -320,7 +328,7 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
     values, sources, notes = resolve(given, dep.recipe, dep.device, origin)
     if dep.dtype is not None:
         values["dtype"], sources["dtype"] = check_field("dtype", dep.dtype), DEPLOYMENT
-    req = GenerateRequest(**values)
+    req = GenerateRequest(**values)  # type: ignore[arg-type]  # it checks every field itself
     shape = request_shape(req, dep.count_tokens, image)
     samples = req.audio_samples(audio_vae.OUTPUT_SAMPLE_RATE)
     check_seed(req.seed, dep.parallel.data_parallel_size)
@@ -348,7 +356,7 @@ def admit(given: Mapping[str, Any], dep: Deployment, origin: str = GIVEN_BY_FLAG
 
 
 def check_time(dep: Deployment, req: GenerateRequest, shape: RequestShape,
-               refiner: Any) -> Any:
+               refiner: RefinerStage | None) -> TimeEstimate:
     """The request's `TimeEstimate` (`headmoe.planner.time`), refused when over
     ``dep.max_time_s`` naming the estimate and the fields that set it."""
     from headmoe.planner.time import estimate_time, format_seconds
@@ -387,7 +395,7 @@ def _with_resident_refiner(est: MemoryEstimate, dep: Deployment,
     return MemoryEstimate(est.weights + extra, est.activations, est.workspace, est.decode)
 
 
-def _check_refiner(given: Mapping[str, Any], dep: Deployment, stage: Any,
+def _check_refiner(given: Mapping[str, object], dep: Deployment, stage: RefinerStage,
                    req: GenerateRequest, shape: RequestShape, preview: MemoryEstimate) -> None:
     """The refiner stage on ``dep``: a refiner there, its heads split by the layout, and
     the busiest phase (`headmoe.planner.refiner.stage_estimate`) within the budget."""
