@@ -532,8 +532,12 @@ def test_ctrl_c_stops_a_multirank_run_within_seconds(tmp_path, cache):
     cmd = [HEADMOE, "generate", "--prompt", "x", "--nproc", "2", "--ulysses-degree", "2",
            "--num-inference-steps", "50", "--cache-dir", str(cache), "--output", str(out)]
     env = {**os.environ, "PYTHONPATH": SRC}
+    # A terminal's command starts with SIGINT at its default action. The test's own runner
+    # may ignore SIGINT (a background job of a non-interactive shell does), and a process
+    # started with SIGINT ignored keeps ignoring it, as Unix means it to: reset it here.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err, reader = _read_until_step(proc, b" 2/50 ")
     assert proc.poll() is None, err.decode(errors="replace")
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends
