@@ -12,7 +12,7 @@ flags from the same table; `as_flags`: the scan kept for messages that carry no 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -245,28 +245,9 @@ def refusal_text(field_names: str, text: str) -> str:
     its own (the ``fps=`` of a seconds/num_frames contradiction, the ``max_time=`` of the
     time limit)."""
     own = [n for n in field_names.split(",") if n in BY_DEST or n in ALIASES]
-    for name, flag in zip(own, refusal_flags(field_names), strict=True):
-        text = _rewrite(text, name, flag)
+    flags = dict(zip(own, refusal_flags(field_names), strict=True))
+    text = _scan(text, sorted(own, key=len, reverse=True), flags.__getitem__, "=")
     return as_flags(text, assignments_only=True)
-
-
-def _rewrite(text: str, name: str, flag: str) -> str:
-    """``text`` with ``name=`` at a word's start shown as ``flag=`` (not inside another
-    library's error quoted in parentheses)."""
-    quoted = _quoted_errors(text)
-    out, i = [], 0
-    while i < len(text):
-        span = next((s for s in quoted if s[0] == i), None)
-        if span is not None:
-            out.append(text[span[0]:span[1]])
-            i = span[1]
-        elif (i == 0 or text[i - 1] in _BEFORE) and text.startswith(name + "=", i):
-            out.append(flag)
-            i += len(name)
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
 
 
 def as_flags(text: str, assignments_only: bool = False) -> str:
@@ -277,8 +258,15 @@ def as_flags(text: str, assignments_only: bool = False) -> str:
     name a field: `headmoe.deployment.build_deployment`'s, the release folder's checks,
     `ParallelConfig`'s and `headmoe.pipeline.deployment.check_timeout`'s) and for the fields
     a refusal's message names besides its own (`refusal_text`)."""
-    follow = "=" if assignments_only else "= "
     names = sorted((*(f.dest for f in FLAGS if f.named), *ALIASES), key=len, reverse=True)
+    return _scan(text, names, flag_of, "=" if assignments_only else "= ")
+
+
+def _scan(text: str, names: Sequence[str], flag_for: Callable[[str], str],
+          follow: str) -> str:
+    """``text`` with each of ``names`` (longest first) at a word's start and followed by a
+    character of ``follow`` shown as ``flag_for(name)``; text inside another library's error
+    quoted in parentheses is kept as it is."""
     quoted = _quoted_errors(text)
     out, i = [], 0
     while i < len(text):
@@ -291,7 +279,7 @@ def as_flags(text: str, assignments_only: bool = False) -> str:
             hit = next((n for n in names if text.startswith(n, i)
                         and text[i + len(n):i + len(n) + 1] in tuple(follow)), None)
             if hit is not None:
-                out.append(flag_of(hit))
+                out.append(flag_for(hit))
                 i += len(hit)
                 continue
         out.append(text[i])
