@@ -27,7 +27,9 @@ from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
 from headmoe.models.magi2 import Magi2Config, get_config, validate_parallel
 from headmoe.models.magi2.config import PRESETS
+from headmoe.models.magi2.loading import stored_expert_format
 from headmoe.models.refiner import get_refiner_config
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT, check_expert_format, resolve_format
 from headmoe.pipeline.deployment import UNCHECKED, Budget, Deployment, check_timeout
 from headmoe.planner.memory import StreamSettings, memory_limit
 from headmoe.release import folder as rel
@@ -59,6 +61,9 @@ class DeploymentOptions:
     timeout: float = 60.0
     offload_layers: bool = False
     resident_layers: int = 0
+    expert_format: str | None = None
+    """The routed experts' format (`headmoe.moe.formats.EXPERT_FORMATS`); None: the
+    checkpoint's own (a plan or a configuration: "bf16")."""
     max_memory_gib: float | None = None
     """The per-rank budget in GiB (None: the detected limit; 0: no check)."""
     budget_flag: str = "--max-memory-gib"
@@ -84,7 +89,8 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
     flags) before any weight is read."""
     if opts.config_only:
         return Deployment(model_config=model_config_of(opts), model=opts.model,
-                          parallel=opts.parallel)
+                          parallel=opts.parallel,
+                          expert_format=opts.expert_format or DEFAULT_EXPERT_FORMAT)
     if opts.plan:
         return plan_deployment(opts)
     world = check_world(opts.nproc, opts.parallel)
@@ -92,6 +98,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
     if opts.model == "tiny" or rel.is_release_folder(opts.model):
         release = read_release(opts)
         model_config, checkpoint = release.model_config, release.transformer
+        stored = release.expert_format
     else:
         release = None
         for name in ("video_decoder", "offload"):
@@ -101,6 +108,8 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         model_config, checkpoint = resolve_model(opts.model, opts.cache_dir, opts.model_config,
                                                  write=False)
         validate_parallel(model_config, opts.parallel)
+        stored = stored_expert_format(checkpoint)
+    expert_format = check_expert_stream(opts, stored, checkpoint)
     device = rank_device().type
     ranks = local_ranks(world)
     budget = memory_budget(opts.max_memory_gib, opts.budget_flag, ranks, device)
@@ -111,7 +120,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         count_tokens=None if release is None else TokenCounter(release.text_encoder),
         describe=f"--model {opts.model} (config {getattr(model_config, 'name', '?')})",
         offload=opts.offload, offload_layers=opts.offload_layers,
-        resident_layers=opts.resident_layers,
+        resident_layers=opts.resident_layers, expert_format=expert_format,
         refiner_config=None if release is None else release.refiner_config,
         refiner_problem="" if release is None else release.refiner_problem or "",
         threads=rank_threads(ranks), max_time_s=check_max_time(opts.max_time),
@@ -135,7 +144,24 @@ def plan_deployment(opts: DeploymentOptions) -> Deployment:
         budget=memory_budget(opts.max_memory_gib, opts.budget_flag, 1, "cuda"),
         describe=f"--model {opts.model} (config {model_config.name})", offload=opts.offload,
         offload_layers=opts.offload_layers, resident_layers=opts.resident_layers,
+        expert_format=check_expert_format(opts.expert_format or DEFAULT_EXPERT_FORMAT),
         refiner_config=get_refiner_config(PLANNED_REFINER))
+
+
+def check_expert_stream(opts: DeploymentOptions, stored: str, checkpoint: str) -> str:
+    """The expert format the ranks run in: ``opts.expert_format`` against the checkpoint's
+    stored one (`resolve_format`: an FP8 checkpoint refuses "bf16"). Layer streaming
+    copies the stored bytes each step, so ``--offload-layers`` with FP8 experts needs an
+    FP8 checkpoint (``headmoe quantize``): quantizing every streamed layer every step is
+    refused, naming both fields."""
+    fmt = resolve_format(opts.expert_format, stored, f"the checkpoint {checkpoint!r}")
+    if opts.offload_layers and fmt != stored:
+        raise ValueError(f"offload_layers streams the checkpoint's stored bytes, and "
+                         f"{checkpoint!r} stores bf16 experts: expert_format={fmt!r} with "
+                         "offload_layers needs an FP8 release folder (write one with "
+                         "'headmoe quantize --model RELEASE --output DIR'); without "
+                         "offload_layers the experts are quantized on load")
+    return fmt
 
 
 def model_config_of(opts: DeploymentOptions) -> Magi2Config:

@@ -20,6 +20,7 @@ from headmoe.admission import INPUT_FIELDS
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.deployment import DeploymentOptions
 from headmoe.models.streaming import DEFAULT_SLOTS
+from headmoe.moe.formats import EXPERT_FORMATS
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import DTYPES, NOISE_DEVICES
@@ -98,6 +99,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("resident_layers", OPTIONS, {"type": int, "default": 0, "help": (
         "with --offload-layers: keep the first N layers on the device (spare memory, fewer "
         "bytes moved per step; default 0)")}),
+    Flag("expert_format", OPTIONS, {"choices": tuple(EXPERT_FORMATS), "default": None, "help": (
+        "routed experts' weights (95%% of MAGI-2 Preview's): bf16, the release's, or fp8, "
+        "float8 E4M3 with an fp32 scale per expert and output channel (docs/fp8.md): 51%% of "
+        "the expert bytes, each weight rounded to 4 significant bits (up to 2^-4 relative "
+        "error); quantized on load from a bf16 release (each rank its own heads, a layer at a "
+        "time), or read from a 'headmoe quantize' folder (default: the checkpoint's own "
+        "format)")}),
     Flag("cache_dir", OPTIONS, {"default": "~/.cache/headmoe", "help": (
         "where the tiny release folder is written once (default: ~/.cache/headmoe)")}, named=False),
     # ---- the request (admission's input fields)

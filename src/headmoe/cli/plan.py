@@ -107,7 +107,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="ranks per node: each node's first rank holds the text encoder (default: the "
         "whole world is one node)",
     )
-    flags.add(p, "offload", "offload_layers", "resident_layers", offload={
+    flags.add(p, "offload", "offload_layers", "resident_layers", "expert_format", offload={
         "help": "encoder and decoders kept on the host between uses (not counted on the "
         "device)"})
     p.add_argument(

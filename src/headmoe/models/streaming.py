@@ -59,6 +59,7 @@ MAX_HEADER_BYTES = 100 << 20
 #: safetensors dtype names of the float types a checkpoint may store
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,  # FP8 routed experts (docs/fp8.md); never cast
 }
 
 

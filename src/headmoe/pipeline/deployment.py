@@ -22,6 +22,7 @@ from headmoe.config import ParallelConfig, is_number
 from headmoe.models.magi2 import Magi2Config
 from headmoe.models.refiner import Magi2RefinerConfig
 from headmoe.models.streaming import split_layers
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT, check_expert_format
 from headmoe.pipeline.interfaces import ReleaseFolder
 from headmoe.pipeline.recipe import Recipe, recipe_for
 
@@ -80,6 +81,10 @@ class Deployment:
     """Stream the transformer's layer weights from the checkpoint (``--offload-layers``,
     `headmoe.models.streaming`); the first ``resident_layers`` layers stay resident."""
     resident_layers: int = 0
+    expert_format: str = DEFAULT_EXPERT_FORMAT
+    """The routed experts' weight format every MoE layer registers (a name of
+    `headmoe.moe.formats.EXPERT_FORMATS`: "bf16" the release's, "fp8" E4M3 with per-channel
+    scales, quantized on load from a bf16 checkpoint or read from an FP8 one)."""
     refiner_config: Magi2RefinerConfig | None = None
     """The release's refiner (None: no refiner stage here)."""
     refiner_problem: str = ""
@@ -98,6 +103,7 @@ class Deployment:
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s)
+        check_expert_format(self.expert_format)
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:

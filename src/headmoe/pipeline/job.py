@@ -129,6 +129,10 @@ class GenerateJob:
     def resident_layers(self) -> int:
         return self.deployment.resident_layers
 
+    @property
+    def expert_format(self) -> str:
+        return self.deployment.expert_format
+
 
 def encode_prompts(
     encoder: TextEncoder, prompts: Sequence[str], device: torch.device
@@ -438,7 +442,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
         "seed": noise.seed,
         **{k: v for k, v in text.items() if k != "text"},
         "model": {"name": getattr(job.model_config, "name", None),
-                  "checkpoint": job.checkpoint, **release},
+                  "checkpoint": job.checkpoint, **release, "expert_format": job.expert_format},
         "text": text["text"],
         "layout": {**job.parallel.to_dict(), "world_size": ctx.world_size,
                    "resolved_expert_parallel_size": topo.expert_parallel_size,

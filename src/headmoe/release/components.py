@@ -28,6 +28,7 @@ from headmoe.models.magi2 import (
 from headmoe.models.magi2.loading import stream_layers
 from headmoe.models.refiner import Magi2Refiner, load_refiner
 from headmoe.models.refiner.loading import stream_refiner
+from headmoe.moe.formats import expert_format
 from headmoe.pipeline.health import watch_layers
 from headmoe.pipeline.interfaces import Components, Refiner
 from headmoe.pipeline.job import GenerateJob
@@ -80,14 +81,15 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     say = _progress(ctx, job)
     say(f"building the transformer ({cfg.num_layers} layers) and loading its weights on "
         f"{ctx.world_size} rank(s)")
+    experts = expert_format(job.expert_format)  # the routed experts' format (docs/fp8.md)
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
             cfg, ctx, job.request.torch_dtype, job.checkpoint,
-            resident_layers=job.resident_layers, timeout_s=job.timeout_s)
+            resident_layers=job.resident_layers, timeout_s=job.timeout_s, experts=experts)
         model.streamer = streamer  # lives (and streams) as long as the model
     else:
         with torch.device(ctx.device):  # allocate the weights where they run, not on the host
-            model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype)
+            model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype, experts=experts)
         load_checkpoint(model, job.checkpoint)
     model.eval()
     if job.check_layers:

@@ -51,6 +51,7 @@ from headmoe.models.refiner import (
     refiner_spec,
     write_random_refiner,
 )
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT
 from headmoe.release import (
     audio_vae,
     text_encoder,
@@ -101,6 +102,9 @@ class Release:
     refiner_problem: str | None = None
     """Why the folder's ``refiner/`` is not used (it failed its checks; `check_release`):
     runs without the refiner stage go on, a run that asks for it is refused with this."""
+    expert_format: str = DEFAULT_EXPERT_FORMAT
+    """The routed experts' format ``preview/`` stores (`headmoe.moe.formats.stored_format`;
+    set by `check_release`): "bf16", the release's, or "fp8" (``headmoe quantize``)."""
     unused: tuple[str, ...] = ()
     """Component file entries headmoe does not read (`unused_entries`; set by the caller of
     `check_release`, recorded in the sidecar)."""
@@ -116,6 +120,7 @@ class Release:
             "offload": self.offload,
             "image_encoder": self.image_encoder,
             "refiner": self.refiner,
+            "expert_format": self.expert_format,
             "unused_entries": list(self.unused),
         }
 
@@ -305,7 +310,8 @@ def check_release(release: Release) -> Release:
     the folder: the release is returned without it, the reason in ``refiner_problem``
     (only a run of the refiner stage is refused, with that reason)."""
     cfg, root = release.model_config, Path(release.root)
-    _component(release.transformer, check_checkpoint, cfg, release.transformer)
+    _, report = _component(release.transformer, check_checkpoint, cfg, release.transformer)
+    release = dataclasses.replace(release, expert_format=report.expert_format)
     width = _component(release.text_encoder, text_encoder.check_text_encoder, release.text_encoder)
     pairs = [(f"{TEXT_ENCODER_DIR}/config.json hidden_size", width, "text_in_channels",
               cfg.text_in_channels)]

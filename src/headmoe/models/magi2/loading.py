@@ -43,7 +43,16 @@ from headmoe.models.streaming import (
     split_layers,
 )
 from headmoe.moe import MultiHeadMoE, read_moe_rows
-from headmoe.moe.weights import Bf16Experts
+from headmoe.moe.formats import (
+    DEFAULT_EXPERT_FORMAT,
+    EXPERT_FORMATS,
+    STORED_NAMES,
+    format_name,
+    stored_format,
+)
+from headmoe.moe.fp8 import FP8_DTYPE, check_fp8_bytes, quantize
+from headmoe.moe.fp8_format import SCALE_SUFFIX, VALUES
+from headmoe.moe.weights import Bf16Experts, ExpertWeights
 
 INDEX_SUFFIX = ".safetensors.index.json"
 #: the most checkpoint bytes a loader reads into host memory at once before copying them to
@@ -57,12 +66,14 @@ _LAYER = re.compile(re.escape(LAYER_PREFIX) + r"(\d+)\.")
 _DTYPE_NAMES = {v: k for k, v in FLOAT_DTYPES.items()}
 
 
-def checkpoint_spec(config: Magi2Config) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def checkpoint_spec(config: Magi2Config, experts: type[ExpertWeights] = Bf16Experts
+                    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of a full released checkpoint: name -> (shape, dtype), in the model's
-    order (linears and experts in `config.params_dtype`, the rest fp32). Built from a
+    order (linears and experts in `config.params_dtype`, the rest fp32; the routed experts'
+    tensors those of the format `experts`, e.g. FP8 values and fp32 scales). Built from a
     one-rank model on the meta device (no allocation)."""
     with torch.device("meta"):
-        model = Magi2Transformer(config, dtype=config.torch_params_dtype)
+        model = Magi2Transformer(config, dtype=config.torch_params_dtype, experts=experts)
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
@@ -86,6 +97,8 @@ class LoadReport:
 
     prefix: str = ""
     converted: list[tuple[str, str, str]] = field(default_factory=list)
+    expert_format: str = DEFAULT_EXPERT_FORMAT
+    """The routed experts' format the headers show (`headmoe.moe.formats.stored_format`)."""
 
 
 # ---------------------------------------------------------------------- headers
@@ -163,8 +176,9 @@ def _first_mismatches(config: Magi2Config, headers: Headers) -> str:
     so a refusal shows which tensors differ; empty for a config too large to build."""
     if config.num_layers > DETAIL_MAX_LAYERS:
         return ""
+    spec = checkpoint_spec(config, EXPERT_FORMATS[stored_format(headers)])
     bad = [f"{name} expected {list(shape)}, found {list(headers[name][1])}"
-           for name, (shape, _) in checkpoint_spec(config).items()
+           for name, (shape, _) in spec.items()
            if name in headers and tuple(headers[name][1]) != shape]
     return "; " + listing("mis-shaped tensors", bad) if bad else ""
 
@@ -186,6 +200,10 @@ def check_checkpoint(
     """Check a checkpoint's headers against `config` without reading any tensor
     (`param_dtype`: the model dtype the tensors will be cast to; None: the config's).
 
+    The routed experts' format is the one the names show (`stored_format`: FP8 values
+    and their ``_scale`` tensors, or the release's), recorded in the report's
+    ``expert_format``; the headers are checked against that format's spec.
+
     Returns (model name -> (file, shape, stored dtype), report). Raises `ValueError` naming
     every missing, unexpected, mis-shaped and non-float tensor (expected shape and dtype,
     found), or the unreadable file."""
@@ -193,7 +211,17 @@ def check_checkpoint(
     # before a skeleton of num_layers is built
     found = read_headers(path, config.num_layers, what,
                          lambda headers: _first_mismatches(config, headers))
-    return check_headers(checkpoint_spec(config), path, param_dtype, what, found)
+    stored = stored_format(found[1])
+    headers, report = check_headers(checkpoint_spec(config, EXPERT_FORMATS[stored]), path,
+                                    param_dtype, f"{what} ({stored} experts)", found)
+    report.expert_format = stored
+    return headers, report
+
+
+def stored_expert_format(path: str | os.PathLike[str]) -> str:
+    """The routed experts' format of the checkpoint at `path` from its tensor names
+    (`stored_format`; headers only, unchecked: `check_checkpoint` checks them)."""
+    return stored_format(_strip_prefix(os.fspath(path), _headers(os.fspath(path)))[1])
 
 
 def check_headers(
@@ -223,8 +251,12 @@ def check_headers(
             bad_shape.append(f"{prefix + name} expected {want}, found {list(got)} {stored}")
         elif stored not in FLOAT_DTYPES:
             bad_dtype.append(f"{prefix + name} expected {want}, found {stored}")
+        elif FP8_DTYPE in (dtype, FLOAT_DTYPES[stored]) and FLOAT_DTYPES[stored] != dtype:
+            bad_dtype.append(f"{prefix + name} expected {want}, found {stored} (FP8 tensors "
+                             "are never cast)")
         else:
-            target = dtype if dtype == torch.float32 or param_dtype is None else param_dtype
+            target = dtype if dtype in (torch.float32, FP8_DTYPE) or param_dtype is None \
+                else param_dtype
             if FLOAT_DTYPES[stored] != target:
                 report.converted.append((prefix + name, stored, _DTYPE_NAMES[target]))
     if bad_shape:
@@ -252,21 +284,80 @@ def load_checkpoint(
     path = os.fspath(path)
     cfg = model.config
     headers, report = check_checkpoint(cfg, path, model.dtype)
-    shards = {m.shard for m in model.modules() if isinstance(m, MultiHeadMoE)}
+    moes = [m for m in model.modules() if isinstance(m, MultiHeadMoE)]
+    shards = {m.shard for m in moes}
     assert len(shards) <= 1, shards  # every MoE layer of a rank holds the same heads
     shard = shards.pop() if shards else None
+    fmt = format_name(moes[0].experts) if moes else report.expert_format
+    check_model_format(fmt, report.expert_format, path)
+    if fmt != report.expert_format:  # the model's scales come from the stored values
+        headers = {**headers, **{n: headers[n.removesuffix(SCALE_SUFFIX)]
+                                 for n in model.state_dict() if _scale_of_value(n)}}
+
+    def rows(f: TensorSource, name: str) -> torch.Tensor:
+        assert shard is not None  # an MoE tensor's layer is an MoE layer of this rank
+        return read_moe_rows(f, report.prefix + name, cfg.moe_num_heads,
+                             cfg.moe_num_experts, shard.ep_size, shard.ep_rank)
+
+    quantized = QuantizeOnLoad(rows, report.prefix)
 
     def read(f: TensorSource, name: str) -> torch.Tensor:
-        stored = report.prefix + name
-        if MOE_MARKER in name:
-            assert shard is not None  # an MoE tensor's layer is an MoE layer of this rank
-            return read_moe_rows(f, stored, cfg.moe_num_heads, cfg.moe_num_experts,
-                                 shard.ep_size, shard.ep_rank)
-        return f.get_tensor(stored)
+        if MOE_MARKER not in name:
+            return f.get_tensor(report.prefix + name)
+        if fmt != report.expert_format and _expert_leaf(name):
+            return quantized.read(f, name)
+        t = rows(f, name)
+        if t.dtype == FP8_DTYPE:
+            check_fp8_bytes(report.prefix + name, t)
+        return t
 
     load_in_batches(model, headers, read, max_batch_bytes, skip,
                     last=lambda name: "router.expert_bias" in name)
     return report
+
+
+def _expert_leaf(name: str) -> bool:
+    """`name` is a routed expert's FP8 value or scale tensor (`Fp8Experts.NAMES`)."""
+    return name.rsplit(".", 1)[-1].removesuffix(SCALE_SUFFIX) in VALUES
+
+
+def _scale_of_value(name: str) -> bool:
+    return MOE_MARKER in name and name.endswith(SCALE_SUFFIX) and _expert_leaf(name)
+
+
+def check_model_format(model_format: str, stored: str, path: str) -> None:
+    """A model in `model_format` loads a checkpoint whose experts are `stored`: the same
+    format, or FP8 from bf16 (quantized on load); `ValueError` naming both otherwise."""
+    if model_format != stored and not (model_format == "fp8" and stored == "bf16"):
+        raise ValueError(f"checkpoint {path!r} stores its routed experts as "
+                         f"{STORED_NAMES[stored]}, which a model of expert_format="
+                         f"{model_format!r} cannot load (use expert_format={stored!r})")
+
+
+class QuantizeOnLoad:
+    """FP8 values and scales of this rank's rows of the bf16 experts (`headmoe.moe.fp8.
+    quantize`, per (head, expert) and output channel), one stored tensor at a time: reading
+    ``...W_gate`` quantizes the stored ``W_gate`` rows and keeps the scale until
+    ``...W_gate_scale`` is read (and the other way round), so the host holds one layer's
+    tensor and its scale, not a layer's worth of copies. `rows(f, name)`: the stored rows
+    of this rank (`read_moe_rows`); `prefix` the stored names' prefix (errors name them)."""
+
+    def __init__(self, rows: Callable[[TensorSource, str], torch.Tensor], prefix: str):
+        self.rows, self.prefix = rows, prefix
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def read(self, f: TensorSource, name: str) -> torch.Tensor:
+        """The FP8 values `[rows, K, N]` float8_e4m3fn or scales `[rows, N]` fp32 of
+        model tensor `name` (a value name or its ``_scale``)."""
+        if name in self.kept:
+            return self.kept.pop(name)
+        value = name.removesuffix(SCALE_SUFFIX)
+        w = quantize(self.prefix + value, self.rows(f, value))
+        if name == value:
+            self.kept[value + SCALE_SUFFIX] = w.scale
+            return w.data
+        self.kept[value] = w.data
+        return w.scale
 
 
 def load_in_batches(
@@ -326,17 +417,24 @@ def layer_reads(model: Magi2Transformer, layer_id: int, prefix: str = "") -> lis
 def stream_layers(
     config: Magi2Config, context: ParallelContext, dtype: torch.dtype, path: str | os.PathLike[str], *,
     resident_layers: int = 0, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
+    experts: type[ExpertWeights] = Bf16Experts,
 ) -> tuple[Magi2Transformer, LayerStreamer]:
     """A `Magi2Transformer` on `context.device` whose layers after the first
     `resident_layers` stream from `path` through `slots` slot buffers (`headmoe.models.
     streaming`); everything else is loaded once (`load_checkpoint`). Checks every header
-    first; refuses a bad `resident_layers` / `slots` before anything is allocated."""
+    first; refuses a bad `resident_layers` / `slots` before anything is allocated, and an
+    expert format `experts` other than the stored one (the slots take stored bytes)."""
     path = os.fspath(path)
     _, streamed = split_layers(config.num_layers, resident_layers)
     check_slots(slots)
     headers, report = check_checkpoint(config, path, dtype)
+    if format_name(experts()) != report.expert_format:  # the streamer copies stored bytes
+        raise ValueError(f"offload_layers streams {path!r}'s stored "
+                         f"{STORED_NAMES[report.expert_format]} experts: expert_format="
+                         f"{format_name(experts())!r} needs a checkpoint in that format "
+                         "('headmoe quantize' writes an FP8 release folder)")
     with torch.device("meta"):
-        model = Magi2Transformer(config, context, dtype=dtype)
+        model = Magi2Transformer(config, context, dtype=dtype, experts=experts)
     files = {report.prefix + n: f for n, (f, _, _) in headers.items()}
     return model, attach_streamer(
         model, model.block.layers, streamed, lambda skip: load_checkpoint(model, path, skip=skip),
