@@ -18,6 +18,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "headmoe.cli.plan",
     "headmoe.cli.compare",
     "headmoe.cli.serve",
+    "headmoe.cli.quantize",
 )
 
 
