@@ -213,7 +213,8 @@ def check_checkpoint(
                          lambda headers: _first_mismatches(config, headers))
     stored = stored_format(found[1])
     headers, report = check_headers(checkpoint_spec(config, EXPERT_FORMATS[stored]), path,
-                                    param_dtype, f"{what} ({stored} experts)", found)
+                                    param_dtype, what if stored == "bf16" else f"{what} (FP8 experts)",
+                                    found)
     report.expert_format = stored
     return headers, report
 
