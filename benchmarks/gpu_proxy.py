@@ -171,6 +171,12 @@ def _flops_down(hidden, w_down, routed, *_r, **k) -> float:
     return 2.0 * hidden.shape[0] * k["F"] * routed.shape[1]
 
 
+def _flops_expert_tile(z, src, tile_group, tile_rows, w_gate, w_up, w_down, routed, *_r,
+                       **k) -> float:
+    """gate + up (recomputed for each of the N_BLOCKS output column blocks) and down."""
+    return 2.0 * routed.shape[0] * k["D"] * k["F"] * (2 * k["N_BLOCKS"] + 1)
+
+
 def _flops_route(z, gate, *_r, **_k) -> float:
     return 2.0 * z.shape[0] * gate.shape[0] * gate.shape[1]
 
@@ -197,7 +203,7 @@ KERNEL_COST = {
     "matmul_kernel": _flops_matmul, "rms_matmul_kernel": _flops_rms_matmul,
     "sink_attention_kernel": _flops_attention,
     "gate_up_kernel": _flops_gate_up, "down_kernel": _flops_down, "route_kernel": _flops_route,
-    "linear_kernel": _flops_linear,
+    "linear_kernel": _flops_linear, "expert_tile_kernel": _flops_expert_tile,
 }  # fmt: skip
 #: bytes of the kernels that touch only part of their tensor arguments (others: all of them)
 KERNEL_BYTES = {"linear_kernel": _bytes_linear}
