@@ -121,7 +121,7 @@ def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any]
         "matmul": _matmul(torch.bfloat16),
         "matmul_fp32": _matmul(torch.float32),
         "linear_norm_swiglu": _linear(torch.bfloat16, norm=True, swiglu=True),
-        "linear_cast": _linear(torch.float32, norm=False, swiglu=False),
+        "linear_gate_add": _linear(torch.float32, norm=False, swiglu=False),
         "rms_inv": ("dense.rms_inv_kernel", lambda: dict(
             x_ptr=_t(8), inv_ptr=_t(8, dtype=f32), R=1000, C=HIDDEN, stride_x=HIDDEN,
             eps=1e-6), dict(BLOCK_R=NORM_ROWS, BLOCK_C=NORM_BLOCK), {"num_warps": 8}),
@@ -193,15 +193,17 @@ def _matmul(dtype: torch.dtype) -> tuple:
 def _linear(a_dtype: torch.dtype, norm: bool, swiglu: bool) -> tuple:
     """The fused layer linear's spec (bf16 weights, production tiles): a bf16 operand with
     the row gather, the RMSNorm prologue and the SwiGLU7 epilogue stored in bf16 (the
-    multimodal MLP's up projection), or an fp32 operand cast in registers with the bias
-    and an fp32 output (a plain `Linear`)."""
+    multimodal MLP's up projection), or an fp32 operand with the per-head gate scale, cast
+    in registers, with the bias and the fp32 add epilogue (the widest other variant)."""
     t, bf16, f32 = DENSE_TILES[torch.bfloat16], torch.bfloat16, torch.float32
     return ("dense.linear_kernel", lambda: dict(
         a_ptr=_t(8, dtype=a_dtype), idx_ptr=_t(8, dtype=torch.int64), inv_ptr=_t(8, dtype=f32),
         nw_ptr=_t(8, dtype=f32), b_ptr=_t(8, dtype=bf16), bias_ptr=_t(8, dtype=f32),
-        c_ptr=_t(8, dtype=bf16 if swiglu else f32), M=1000, N=2 * HIDDEN, K=HIDDEN,
-        stride_am=HIDDEN, stride_bk=1, stride_bn=HIDDEN, stride_cm=HIDDEN),
-        dict(GATHER=norm, NORM=norm, HAS_BIAS=not norm, SWIGLU=swiglu, LIMIT=SWIGLU_LIMIT,
+        add_ptr=_t(8, dtype=f32), c_ptr=_t(8, dtype=bf16 if swiglu else f32), M=1000,
+        N=2 * HIDDEN, K=HIDDEN, stride_am=HIDDEN, stride_bk=1, stride_bn=HIDDEN,
+        stride_sm=24, stride_dm=HIDDEN, stride_cm=HIDDEN),
+        dict(GATHER=norm, NORM=norm, SCALE_DIV=0 if norm else HEAD_DIM, HAS_BIAS=not norm,
+             SWIGLU=swiglu, ADD=not norm, LIMIT=SWIGLU_LIMIT,
              ALPHA=SWIGLU_ALPHA, PRECISION="tf32", BLOCK_M=t.block_m, BLOCK_N=t.block_n,
              BLOCK_K=t.block_k, GROUP_M=t.group_m),
         {"num_warps": t.num_warps, "num_stages": t.num_stages})  # fmt: skip

@@ -181,15 +181,16 @@ def _flops_route(z, gate, *_r, **_k) -> float:
     return 2.0 * z.shape[0] * gate.shape[0] * gate.shape[1]
 
 
-def _flops_linear(a, idx, inv, nw, b, bias, c, m, n, k, *_r, **_kw) -> float:
+def _flops_linear(a, idx, inv, nw, b, bias, add, c, m, n, k, *_r, **_kw) -> float:
     return 2.0 * m * n * k
 
 
-def _bytes_linear(a, idx, inv, nw, b, bias, c, m, n, k, *_r, **kw) -> float:
+def _bytes_linear(a, idx, inv, nw, b, bias, add, c, m, n, k, *_r, **kw) -> float:
     """The rows it reads and writes (a gathered launch touches its `m` rows of a and c, not
     all of them), the weight, and the per-row index / norm scale."""
     per_row = k * a.element_size() + c.shape[1] * c.element_size()
-    per_row += (8 if kw["GATHER"] else 0) + (4 if kw["NORM"] else 0)
+    per_row += (8 if kw["GATHER"] else 0) + (4 if kw["NORM"] else 0) + (
+        4 * c.shape[1] if kw["ADD"] else 0) + (4 * inv.shape[1] if kw["SCALE_DIV"] else 0)
     return m * per_row + _nbytes(b) + (k * 4 if kw["NORM"] else 0) + (
         n * 4 if kw["HAS_BIAS"] else 0)
 

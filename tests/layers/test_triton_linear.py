@@ -11,7 +11,7 @@ import torch
 
 from headmoe.layers import norms, triton_dense, triton_runtime
 from headmoe.layers.activations import swiglu7
-from headmoe.layers.linear import Linear, ModalityLinear
+from headmoe.layers.linear import Fusion, Linear, ModalityLinear
 from tests.triton_interp import interpreted  # noqa: F401  (sets TRITON_INTERPRET first)
 
 pytestmark = [pytest.mark.triton, pytest.mark.usefixtures("interpreted")]
@@ -89,6 +89,36 @@ def test_linear_rows_are_row_invariant(dtype):
     assert bool((out[p[19:]] == -7.0).all())
 
 
+def test_gate_prologue_and_add_epilogue_keep_the_bits_of_the_unfused_ops(monkeypatch):
+    """The attention gate (`x * s[:, k // width]` in fp32, then the cast) and the residual
+    add fold in with the unfused ops' bits, gathered rows included; ModalityLinear with a
+    `Fusion` equals its CPU torch path within rounding."""
+    x, w, _, _ = _case(torch.float16, 5)
+    g = torch.Generator().manual_seed(6)
+    s, add = torch.rand(M, 4, generator=g), torch.randn(M, N, generator=g)
+    gated = (x.half().float().view(M, 4, -1) * s[:, :, None]).reshape(M, K)
+    want = add + _unfused(gated, w)
+    gate = triton_dense.ColumnGate(s, K // 4)
+    got = triton_dense.linear_rows(x.half(), w.t(), gate=gate, add=add, tiles=TILES)
+    assert torch.equal(got, want)
+    rows = torch.tensor([30, 2, 17])
+    out = torch.zeros(M, N)
+    triton_dense.linear_rows(x.half(), w.t(), out=out, rows=rows, gate=gate, add=add,
+                             tiles=TILES)  # fmt: skip
+    assert torch.equal(out[rows], want[rows])
+    mod = ModalityLinear(3, K, N, torch.float16)
+    mod.weight.data.copy_(torch.randn(mod.weight.shape, generator=g))
+    groups = [torch.arange(0, M, 3), torch.arange(1, M, 3), torch.arange(2, M, 3)]
+    fusion = Fusion(gate=s, add=add)
+    cpu = mod(x.half(), groups, fusion)
+    monkeypatch.setattr(triton_runtime, "use_triton", lambda t: True)
+    assert torch.allclose(mod(x.half(), groups, fusion), cpu, rtol=2e-3, atol=2e-3)
+    with pytest.raises(ValueError, match="gate must be"):
+        triton_dense.linear_rows(x, w.t(), gate=triton_dense.ColumnGate(s, 3))
+    with pytest.raises(ValueError, match="add must be"):
+        triton_dense.linear_rows(x, w.t(), add=add.half())
+
+
 def test_layers_take_the_fused_linear_where_use_triton_says(monkeypatch):
     """Linear / ModalityLinear with `FoldedNorm` inputs, swiglu and out_dtype: the Triton
     path equals the unfused kernels in bits and the CPU torch path within rounding; without
@@ -103,11 +133,12 @@ def test_layers_take_the_fused_linear_where_use_triton_says(monkeypatch):
     groups = [torch.nonzero(modality == m).flatten() for m in range(3)]
     cpu_n = norm.folded(x, modality, groups)
     assert isinstance(cpu_n, torch.Tensor)
-    cpu = (lin(cpu_n, swiglu=True, out_dtype=torch.float16), mod(cpu_n, groups))
+    act = Fusion(swiglu=True, out_dtype=torch.float16)
+    cpu = (lin(cpu_n, act), mod(cpu_n, groups))
     monkeypatch.setattr(triton_runtime, "use_triton", lambda t: True)
     n = norm.folded(x, modality, groups)
     assert isinstance(n, norms.FoldedNorm)
-    gpu = (lin(n, swiglu=True, out_dtype=torch.float16), mod(n, groups))
+    gpu = (lin(n, act), mod(n, groups))
     normed = triton_dense.rms_norm_rows(x, norm.weight.view(3, K)[modality], 1e-6)
     want_mod = torch.empty(M, N)
     for m, rows in enumerate(groups):

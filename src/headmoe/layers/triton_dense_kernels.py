@@ -145,9 +145,10 @@ def rms_inv_kernel(
 
 @triton.jit
 def linear_kernel(
-    a_ptr, idx_ptr, inv_ptr, nw_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
-    stride_am, stride_bk, stride_bn, stride_cm,
-    GATHER: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    a_ptr, idx_ptr, inv_ptr, nw_ptr, b_ptr, bias_ptr, add_ptr, c_ptr, M, N, K,
+    stride_am, stride_bk, stride_bn, stride_sm, stride_dm, stride_cm,
+    GATHER: tl.constexpr, NORM: tl.constexpr, SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr, ADD: tl.constexpr,
     LIMIT: tl.constexpr, ALPHA: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -157,11 +158,14 @@ def linear_kernel(
     split-K), fp32 accumulation.
 
     rows: `idx[i]` (int64) for i in the tile with GATHER, else i. Prologue in registers:
-    with NORM, `a * inv[row] * (1 + nw)` in fp32 (the RMSNorm as a per-row scale); then a
-    is cast to b's dtype. Epilogue: the sum rounded to b's dtype and widened to fp32 (the
-    `bi_linear(...).float()` of the layers), + the fp32 bias with HAS_BIAS; with SWIGLU the
-    even / odd columns are gate / up and `min(g, LIMIT) * sigmoid(ALPHA * min(g, LIMIT)) *
-    (clamp(u, -LIMIT, LIMIT) + 1)` lands in column n // 2; stored in c's dtype."""
+    with NORM, `a * inv[row] * (1 + nw)` in fp32 (the RMSNorm as a per-row scale; inv_ptr,
+    nw_ptr); with SCALE_DIV > 0, `a * s[row, k // SCALE_DIV]` in fp32 (a per-row,
+    per-column-group scale such as the attention gate; s at inv_ptr, row stride
+    stride_sm); then a is cast to b's dtype. Epilogue: the sum rounded to b's dtype and
+    widened to fp32 (the `bi_linear(...).float()` of the layers), + the fp32 bias with
+    HAS_BIAS; with SWIGLU the even / odd columns are gate / up and `min(g, LIMIT) *
+    sigmoid(ALPHA * min(g, LIMIT)) * (clamp(u, -LIMIT, LIMIT) + 1)` lands in column n // 2;
+    with ADD, + the fp32 `add[row]` (row stride stride_dm); stored in c's dtype."""
     tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                   GROUP_M)
     local = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -184,6 +188,10 @@ def linear_kernel(
         if NORM:
             w = tl.load(nw_ptr + k0 + kk, mask=kmask, other=0.0)
             a = a.to(tl.float32) * inv[:, None] * (1.0 + w[None, :])
+        if SCALE_DIV > 0:
+            sc = tl.load(inv_ptr + rows[:, None] * stride_sm + ((k0 + kk) // SCALE_DIV)[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0)  # fmt: skip
+            a = a.to(tl.float32) * sc
         b = tl.load(b_cols + (k0 + kk)[:, None] * stride_bk,
                     mask=kmask[:, None] & cmask[None, :], other=0.0)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
@@ -197,5 +205,8 @@ def linear_kernel(
         y = g * s * (tl.minimum(tl.maximum(u, -LIMIT), LIMIT) + 1.0)
         cols = tile_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         cmask = cols < N // 2
+    if ADD:
+        y += tl.load(add_ptr + rows[:, None] * stride_dm + cols[None, :],
+                     mask=rmask[:, None] & cmask[None, :], other=0.0)
     dst = c_ptr + rows[:, None] * stride_cm + cols[None, :]
     tl.store(dst, y.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])

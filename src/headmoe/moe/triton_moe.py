@@ -208,14 +208,18 @@ def _check_experts_args(z: torch.Tensor, experts: torch.Tensor, weights: torch.T
                          f"d_expert={f} of tiles.down_k={tiles.down_k}")  # fmt: skip
 
 
-def _launch_options(z: torch.Tensor, tiles: MoETiles) -> dict:
+#: the experts kernels' row gather: z, the z row of every padded row, tile groups, tile rows
+Gather = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _launch_options(z: torch.Tensor, tiles: MoETiles) -> dict[str, object]:
     """The experts kernels' shared launch arguments."""
     return {"PRECISION": "ieee" if z.dtype == torch.float32 else "tf32",
             "ROW_GATHER": tiles.row_gather, "LIMIT": SWIGLU_LIMIT, "ALPHA": SWIGLU_ALPHA,
             "num_warps": tiles.num_warps, "num_stages": tiles.num_stages}  # fmt: skip
 
 
-def _expert_tile(gather: tuple, w_gate: torch.Tensor, w_up: torch.Tensor,
+def _expert_tile(gather: Gather, w_gate: torch.Tensor, w_up: torch.Tensor,
                  w_down: torch.Tensor, routed: torch.Tensor, tiles: MoETiles) -> None:  # fmt: skip
     """`expert_tile_kernel` over the schedule's tiles: routed `[P, d]` fp32 padded rows."""
     z, _src, tile_group, _rows = gather
@@ -233,7 +237,7 @@ def _expert_tile(gather: tuple, w_gate: torch.Tensor, w_up: torch.Tensor,
     )  # fmt: skip
 
 
-def _two_kernels(gather: tuple, w_gate: torch.Tensor, w_up: torch.Tensor,
+def _two_kernels(gather: Gather, w_gate: torch.Tensor, w_up: torch.Tensor,
                  w_down: torch.Tensor, routed: torch.Tensor, tiles: MoETiles) -> None:  # fmt: skip
     """`gate_up_kernel` (hidden `[P, f]` rows in z's dtype) then `down_kernel`."""
     z, _src, tile_group, _rows = gather
@@ -283,7 +287,7 @@ def experts_triton(
     check_tensors(kern.gate_up_kernel, z=z, experts=experts, weights=weights, w_gate=w_gate,
                   w_up=w_up, w_down=w_down)  # fmt: skip
     n, h, d = z.shape
-    k, groups, f = experts.shape[2], w_gate.shape[0], w_gate.shape[2]
+    k, groups = experts.shape[2], w_gate.shape[0]
     out = torch.empty((n, h, d), dtype=z.dtype, device=z.device)
     if n == 0:
         return out

@@ -48,7 +48,7 @@ from headmoe.distributed.exchange import (
 )
 from headmoe.layers.activations import sigmoid
 from headmoe.layers.attention import segment_attention
-from headmoe.layers.linear import Linear, LinearInput, ModalityLinear
+from headmoe.layers.linear import Fusion, Linear, LinearInput, ModalityLinear
 from headmoe.layers.mhc import mhc_input, mhc_mix, mhc_update
 from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
 from headmoe.layers.rope import apply_rope, default_bands
@@ -125,8 +125,8 @@ class Attention(nn.Module):
         o = segment_attention(qkv, plan.segments, sinks, 1.0 / math.sqrt(self.head_dim))
         if par.sp > 1:
             o = ulysses_heads_to_seq(o, par.sp_group, par.counts, counters=par.counters)
-        o = o.float() * sigmoid(gate)[:, :, None]
-        out: torch.Tensor = self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups)
+        out: torch.Tensor = self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups,
+                                             Fusion(gate=sigmoid(gate)))
         return out
 
 
@@ -146,7 +146,7 @@ class DenseMLP(nn.Module):
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm.folded(u, plan.modality, plan.groups)
         dtype = self.down_proj.weight.dtype
-        h = self.up_gate_proj(n, plan.groups, swiglu=True, out_dtype=dtype)
+        h = self.up_gate_proj(n, plan.groups, Fusion(swiglu=True, out_dtype=dtype))
         out: torch.Tensor = self.down_proj(h, plan.groups)
         return out
 
@@ -191,14 +191,15 @@ class MoEMLP(nn.Module):
     def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
         n = self.pre_norm.folded(u, plan.modality, plan.groups)
-        z = self.split_linear(n, out_dtype=self.dtype)
+        act = Fusion(swiglu=True, out_dtype=self.dtype)
+        z = self.split_linear(n, Fusion(out_dtype=self.dtype))
         moe = self.moe_mlp(z, plan.parallel)
         routed: torch.Tensor = self.merge_linear(moe)
-        shared = self.shared_expert_fc2(self.shared_expert_fc1(n, swiglu=True, out_dtype=self.dtype))
-        h = self.modality_specific_shared_expert_fc1(n, plan.groups, swiglu=True,
-                                                     out_dtype=self.dtype)
-        modal = self.modality_specific_shared_expert_fc2(h, plan.groups)
-        out: torch.Tensor = routed + shared + modal
+        # routed + shared + modal, each sum in the next product's epilogue (same order)
+        shared = self.shared_expert_fc2(self.shared_expert_fc1(n, act), Fusion(add=routed))
+        h = self.modality_specific_shared_expert_fc1(n, plan.groups, act)
+        out: torch.Tensor = self.modality_specific_shared_expert_fc2(h, plan.groups,
+                                                                     Fusion(add=shared))
         return out
 
 
