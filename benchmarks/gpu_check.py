@@ -1,7 +1,7 @@
 """One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
 seconds (default 360) that cannot stop half-way without a report.
 
-First the environment (device name, versions, clocks), then ten sections, each in its own
+First the environment (device name, versions, clocks), then eleven sections, each in its own
 try/except, the markdown file `--out` rewritten (atomically) after every section, so a
 failure or the budget running out loses only the rest of that section:
 
