@@ -144,6 +144,8 @@ def test_page_headers_and_no_inline_script(server):
     js = httpx.get(server.url + "/web/app.js").raise_for_status()
     assert js.headers["content-type"].startswith("text/javascript")
     assert httpx.get(server.url + "/v1/models").status_code == 401  # the API still needs it
+    serving = " ".join((REPO / "docs" / "serving.md").read_text().split())
+    assert CONTENT_SECURITY_POLICY in serving.replace("`", "")  # the doc states it
 
 
 def test_key_presets_and_api_errors(page: Page, server, api):
@@ -159,6 +161,8 @@ def test_key_presets_and_api_errors(page: Page, server, api):
     values = [options.nth(i).get_attribute("value") for i in range(options.count())]
     assert values == ["", *model["resolutions"], "custom"], values
     assert "1080p" in model["resolutions"]  # the tiny release has refiner/
+    for field, name in (("#seed", "seed"), ("#steps", "num_inference_steps")):
+        expect(page.locator(field)).to_have_attribute("placeholder", str(model["defaults"][name]))
     # an error shown as the API words it
     page.fill("#prompt", "x")
     page.select_option("#resolution", "custom")
