@@ -32,6 +32,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 KEY = "web-page-test-key"
 SCREENSHOT = REPO / "docs" / "web-page.png"
+#: the page's uncaught exceptions and Content-Security-Policy violations
+PAGE_ERRORS: list[str] = []
 #: records every value a progress bar of the job list takes, per job id (run before the
 #: page's own script; Playwright's init scripts are not subject to the page's CSP)
 WATCH_PROGRESS = """
@@ -86,10 +88,9 @@ def page(server):
         context.add_init_script(WATCH_PROGRESS)
         page = context.new_page()
         page.set_default_timeout(120_000)
-        page.errors = []  # type: ignore[attr-defined]
-        page.on("pageerror", lambda e: page.errors.append(str(e)))
+        page.on("pageerror", lambda e: PAGE_ERRORS.append(str(e)))
         page.on("console", lambda m: "Content Security Policy" in m.text
-                and page.errors.append(m.text))
+                and PAGE_ERRORS.append(m.text))
         yield page
         browser.close()
 
@@ -172,7 +173,7 @@ def test_key_presets_and_api_errors(page: Page, server, api):
     expected = api.post("/v1/videos", json={"prompt": "x", "size": "50x32"}).json()
     expect(page.locator("#form-error")).to_have_text(expected["error"]["message"])
     assert "50" in expected["error"]["message"]
-    assert page.errors == []  # no exception, no CSP violation
+    assert PAGE_ERRORS == []  # no exception, no CSP violation
 
 
 def test_text_and_image_jobs_play_in_the_page(page: Page, server, api, tmp_path):
@@ -214,6 +215,7 @@ def test_text_and_image_jobs_play_in_the_page(page: Page, server, api, tmp_path)
     for job_id in ids[:2]:
         expect(page.locator(f'#jobs li[data-id="{job_id}"] .status')).to_have_text("completed")
     expect(page.locator("#jobs li.playing")).to_have_attribute("data-id", image["id"])
+    assert PAGE_ERRORS == []
     page.evaluate(SHOW_A_FRAME)
     shot = tmp_path / "web-page.png"
     page.screenshot(path=str(shot), full_page=True)

@@ -107,7 +107,7 @@ async function submit(event) {
     const response = await api("/v1/videos", { method: "POST", ...requestBody(formFields()) });
     const job = await response.json();
     awaited.add(job.id);
-    await refresh();
+    await poll(); // polls at the busy pace from now on
   } catch (exc) {
     show($("form-error"), exc.message);
   } finally {
