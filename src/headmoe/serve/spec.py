@@ -87,8 +87,8 @@ class ServeSpec:
     def model_card(self) -> dict[str, object]:
         """The served model as ``GET /v1/models`` lists it (the web page's form is built
         from it): ``id`` (the first of `model_names`), the ``names`` a request's ``model``
-        may give, the ``resolutions`` presets a request may name (``"WxH"`` of the
-        transformer's video; a refiner preset, 1080p, only where the refiner stage runs),
+        may give, the ``resolutions`` presets a request may name (``"WxH"`` of the clip;
+        a refiner preset, 1080p, the refiner's size, only where the refiner stage runs),
         whether it takes an ``image`` and runs the ``refiner``, and the recipe's
         ``defaults`` of the fields a request leaves out (with ``size`` and ``seconds``)."""
         dep = self.deployment
