@@ -116,7 +116,7 @@ def test_attention_choice_and_the_proof_record(tmp_path):
     assert fa.resolve_attention("auto", "cpu", tmp_path) == "triton"
     assert fa.resolve_attention("triton", "cuda", tmp_path) == "triton"
     assert fa.resolve_attention("flash", "cuda", tmp_path) == "flash"
-    with pytest.raises(ValueError, match="attention='flash' needs CUDA ranks"):
+    with pytest.raises(ValueError, match="attention=flash needs CUDA ranks"):
         fa.resolve_attention("flash", "cpu", tmp_path)
     with pytest.raises(ValueError, match="attention must be one of"):
         fa.resolve_attention("fast", "cuda", tmp_path)

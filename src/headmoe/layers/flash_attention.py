@@ -49,6 +49,8 @@ from headmoe.files import atomic_write
 #: `--attention`: auto (flash once proven on this device and stack, else triton), triton,
 #: flash (refused where no CUDA device runs the ranks)
 ATTENTION_CHOICES = ("auto", "triton", "flash")
+#: the paths `resolve_attention` answers (`Deployment.attention`, the forward plan's)
+ATTENTION_PATHS = ("triton", "flash")
 #: the flash backends `flash_segment_attention` names
 FLASH_BACKENDS = ("flash", "cudnn")
 #: the file under the cache dir where `gpu_check` records the invariance proofs
@@ -209,7 +211,7 @@ def resolve_attention(choice: str, device: str, cache_dir: str | os.PathLike[str
     if choice not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {choice!r}")
     if choice == "flash" and device != "cuda":
-        raise ValueError(f"attention='flash' needs CUDA ranks (FlashAttention has no CPU "
+        raise ValueError(f"attention=flash needs CUDA ranks (FlashAttention has no CPU "
                          f"kernel), this deployment runs on {device}; use auto or triton")
     if choice == "auto":
         return "flash" if device == "cuda" and read_proof(cache_dir, proof_key()) else "triton"
