@@ -131,3 +131,18 @@ def test_attention_choice_and_the_proof_record(tmp_path):
     assert fa.read_proof(tmp_path, "another device | flash")  # other keys kept
     fa.proof_path(tmp_path).write_text("{not json")
     assert fa.resolve_attention("auto", "cuda", tmp_path) == "triton"
+
+
+@pytest.mark.parametrize("name", fa.FLASH_BACKENDS)
+def test_the_backends_calls_fit_torchs_schemas(name):
+    """The flash backends' torch ops called on meta tensors (their meta kernels check the
+    arguments and give the output shapes): out `[L, h, D]` bf16, LSE read as `[h, L]` fp32,
+    through the wrapper too."""
+    qkv = torch.empty(100, 3, 3, 128, device="meta", dtype=torch.bfloat16)
+    q = qkv[:, 0]
+    out, lse = fa.BACKENDS[name](q, q, q, [0, 60, 100], 0.1)
+    assert out.shape == (100, 3, 128) and out.dtype == torch.bfloat16
+    assert fa._lse_rows(lse, [0, 60, 100]).shape == (3, 100)
+    sinks = torch.empty(3, device="meta")
+    got = fa.flash_segment_attention(qkv, [(0, 60), (60, 100)], sinks, 0.1, fa.BACKENDS[name])
+    assert got.shape == (100, 3, 128) and got.dtype == torch.bfloat16
