@@ -19,7 +19,12 @@ failure or the budget running out loses only the rest of that section:
     `torch._grouped_mm` bf16 on the same routes as the baseline, peak memory, and the
     registers / spills / shared memory of the kernels the device compiled;
 (d) sink attention at 272p per-rank shapes (Ulysses SP8: 3 heads of 128, 2 segments of
-    14,836 tokens) beside SDPA's flash and cuDNN backends (no sink) on the same shapes;
+    14,836 tokens): the Triton kernel, the flash path (`headmoe.layers.flash_attention`:
+    torch's FA2 varlen with one KV split, and cuDNN; the sink from the LSE) against the
+    definition with its invariance probe (head subsets, rows moved), whose result is
+    recorded for `--attention auto` under `--cache-dir` (`attention_proof.json`, keyed by
+    GPU name and torch/CUDA/cuDNN versions), and SDPA's flash and cuDNN backends (no
+    sink) on the same shapes;
 (e) one layer-shaped workload at SP8/EP4 per-rank shapes (no collectives): RMSNorm and the
     linears through headmoe's batch-invariant ops, attention, routing + experts, beside
     the same steps with cuBLAS linears and torch RMSNorm;
@@ -82,7 +87,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import bench_stream, compile_check  # noqa: E402
+from headmoe.deployment import DeploymentOptions  # noqa: E402
 from headmoe.files import atomic_write  # noqa: E402
+from headmoe.layers import flash_attention as fa  # noqa: E402
 from headmoe.layers import mhc, norms, triton_dense, triton_runtime  # noqa: E402
 from headmoe.layers.activations import swiglu7, swiglu7_  # noqa: E402
 from headmoe.layers.matmul import bi_linear, bi_matmul  # noqa: E402
@@ -103,7 +110,7 @@ SECTIONS = {
     "a": "bf16 correctness and row invariance of every kernel",
     "b": "dense-op invariance probe",
     "c": "MoE experts: speed, per-kernel table, gather A/B, grouped_mm baseline, memory",
-    "d": "attention vs SDPA flash / cuDNN",
+    "d": "attention: Triton vs the flash path (FA2, cuDNN; probe, proof) vs SDPA",
     "e": "layer-shaped workload",
     bench_stream.SECTION: "layer streaming: H2D GB/s, step time resident vs streamed, copy hidden",
     "g": "refiner block-grid attention at 1080p vs dense SDPA of the same pairs",
@@ -164,6 +171,8 @@ class Ctx:
     sh: Shapes
     deadline: float
     report: Report
+    proof_dir: str = DeploymentOptions().cache_dir
+    """Where section d records the flash path's invariance proof (`--cache-dir`)."""
 
     def check_budget(self) -> None:
         if time.monotonic() > self.deadline:
@@ -661,15 +670,53 @@ def section_moe(ctx: Ctx) -> None:
 
 
 # ---------------------------------------------------------------------------- (d) attention
+def flash_backends(ctx: Ctx) -> dict[str, fa.FlashBackend]:
+    """The flash backends of section d (`headmoe.layers.flash_attention.BACKENDS`); a dry
+    run has none on the CPU and runs the math definition in their place (the code path)."""
+    return {"math (dry stand-in)": fa.math_backend} if ctx.dry else dict(fa.BACKENDS)
+
+
+def flash_probe(qkv: torch.Tensor, segs: list[tuple[int, int]], sinks: torch.Tensor,
+                scale: float, backend: fa.FlashBackend) -> tuple[torch.Tensor, int]:
+    """The flash path's invariance probe: (the full call `[L, h, D]`, rows that differ from it
+    in bits) over head subsets (one head, the last heads), the last segment alone at row 0,
+    and the segments packed in the reverse order (rows moved). qkv `[L, 3, h, D]`."""
+    def run(x: torch.Tensor, s: list[tuple[int, int]], sk: torch.Tensor) -> torch.Tensor:
+        return fa.flash_segment_attention(x, s, sk, scale, backend=backend)
+
+    full, h = run(qkv, segs, sinks), qkv.shape[2]
+    bad = sum(mismatched_rows(run(qkv[:, :, a:b], segs, sinks[a:b]), full[:, a:b])
+              for a, b in ((0, 1), (1, h), (h - 1, h)))
+    a, b = segs[-1]
+    bad += mismatched_rows(run(qkv[a:b], [(0, b - a)], sinks), full[a:b])
+    rev, pos = [], 0
+    for x, y in reversed(segs):
+        rev.append((pos, pos + y - x))
+        pos += y - x
+    moved = run(torch.cat([qkv[x:y] for x, y in reversed(segs)]), rev, sinks)
+    back = torch.cat([moved[r0:r1] for r0, r1 in reversed(rev)])
+    return full, bad + mismatched_rows(back, full)
+
+
+def record_proof(ctx: Ctx, name: str, invariant: bool, detail: str) -> str:
+    """Write this device and stack's proof of backend `name` (`fa.write_proof`) under
+    `ctx.proof_dir`; returns where."""
+    key = fa.proof_key(ctx.device if not ctx.dry else "cpu", name)
+    return str(fa.write_proof(ctx.proof_dir, key, invariant, detail))
+
+
 def section_attention(ctx: Ctx) -> None:
-    """Sink attention over `segments` packed segments, and SDPA (no sink) per segment with
-    the flash and cuDNN backends (a backend this device lacks is reported as such)."""
+    """Sink attention over `segments` packed segments: the Triton kernel, and the flash path
+    (`headmoe.layers.flash_attention`: torch's FA2 varlen with num_splits=1, and cuDNN, the
+    sink from the LSE) against the fp32 definition, with the invariance probe whose result
+    `--attention auto` reads (`record_proof`); then SDPA (no sink) per segment."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sh = ctx.sh
     length = sh.segment * sh.segments
     g = torch.Generator(device=ctx.device).manual_seed(7)
-    q, k, v = (ctx.randn(length, sh.attn_heads, sh.head_dim, gen=g) for _ in range(3))
+    qkv = ctx.randn(length, 3, sh.attn_heads, sh.head_dim, gen=g)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     sinks = ctx.randn(sh.attn_heads, dtype=torch.float32, gen=g)
     segs = [(i * sh.segment, (i + 1) * sh.segment) for i in range(sh.segments)]
     scale = sh.head_dim**-0.5
@@ -678,16 +725,38 @@ def section_attention(ctx: Ctx) -> None:
     t = ctx.time(lambda: triton_segment_attention(q, k, v, segs, sinks, scale))
     ok = None if t is None else flop / t / 1e9 >= 0.4 * PEAK_TFLOPS
     ctx.report.add("d", "sink attention, Triton", shape, tflops(flop, t), ">= 40% of peak", ok)
+    rows = min(sh.segment, 2048)  # the definition's check on each segment's first rows
+    want = torch.cat([attention_reference(q[a:a + rows], k[a:b], v[a:b], sinks, scale)
+                      for a, b in segs])  # fmt: skip
+    tol = 2e-2 if ctx.dtype == torch.bfloat16 else 1e-4
+    for name, backend in flash_backends(ctx).items():
+        try:
+            full, bad = flash_probe(qkv, segs, sinks, scale, backend)
+        except RuntimeError as e:
+            ctx.report.add("d", f"flash path ({name}), sink from the LSE", shape,
+                           f"unavailable: {str(e).splitlines()[0][:80]}")  # fmt: skip
+            continue
+        got = torch.cat([full[a:a + rows] for a, _ in segs]).float()
+        err = float((got - want).abs().max())
+        ctx.report.add("d", f"flash path ({name}) vs fp32 definition (max abs err)", shape,
+                       f"{err:.2e}", f"<= {tol:g}", err <= tol)  # fmt: skip
+        where = record_proof(ctx, name, bad == 0 and err <= tol, f"{bad} rows differ; {shape}")
+        # a dry run's stand-in is a code path, not a proof: its row is not a check
+        ctx.report.add("d", f"flash path ({name}) rows bit-identical (head subsets, segment "
+                       f"alone, segments reordered); proof in {where}", shape,
+                       f"{bad} rows differ", "0", None if ctx.dry else bad == 0)  # fmt: skip
+        ms = ctx.time(lambda b=backend: fa.flash_segment_attention(qkv, segs, sinks, scale, b))
+        ratio = "" if ms is None or t is None else f"; Triton / this time {t / ms:.2f}"
+        ctx.report.add("d", f"flash path ({name}) with the sink", shape, tflops(flop, ms) + ratio)
     heads = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)]
 
     def sdpa() -> None:
         for a, b in segs:
             F.scaled_dot_product_attention(*(x[:, :, a:b] for x in heads), scale=scale)
 
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                          ("cuDNN", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
+    for name, sdp in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
         try:
-            with sdpa_kernel(backend):
+            with sdpa_kernel(sdp):
                 ms = ctx.time(sdpa)
             value = tflops(flop, ms) + ("" if ms is None or t is None else f"; Triton/SDPA "
                                         f"time {t / ms:.2f}")  # fmt: skip
@@ -1031,6 +1100,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny shapes on the CPU under Triton's interpreter, no timing")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="stop starting timed work after this many seconds (default 360)")
+    parser.add_argument("--cache-dir", default=None, help=(
+        "where section d records the flash path's invariance proof that `--attention auto` "
+        f"reads (default: {DeploymentOptions().cache_dir}; a dry run: <out>.cache)"))
     parser.add_argument("--inject-failure", action="append", default=[], choices=list(SECTIONS),
                         help="make this section raise at its start (tests the report)")
     args = parser.parse_args(argv)  # fmt: skip
@@ -1045,7 +1117,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         device, dtype, sh = "cuda", torch.bfloat16, FULL
-    ctx = Ctx(args.dry_run, device, dtype, sh, time.monotonic() + args.budget_s, Report())
+    proof_dir = args.cache_dir or (f"{args.out}.cache" if args.dry_run
+                                   else DeploymentOptions().cache_dir)
+    ctx = Ctx(args.dry_run, device, dtype, sh, time.monotonic() + args.budget_s, Report(),
+              proof_dir)
     ctx.report.header = environment(ctx)
     ctx.report.write(args.out)
     for key in SECTIONS:

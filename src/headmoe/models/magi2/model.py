@@ -48,6 +48,7 @@ from headmoe.distributed.exchange import (
 )
 from headmoe.layers.activations import sigmoid
 from headmoe.layers.attention import segment_attention
+from headmoe.layers.flash_attention import ATTENTION_PATHS
 from headmoe.layers.linear import Fusion, Linear, LinearInput, ModalityLinear
 from headmoe.layers.mhc import mhc_input, mhc_mix, mhc_update
 from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
@@ -73,6 +74,8 @@ class ForwardPlan(RowPlan):
     segment's global `(start, stop)`."""
 
     segments: list[tuple[int, int]]
+    attention: str = "triton"
+    """The attention path (`headmoe.layers.attention.segment_attention`'s ``path``)."""
 
 
 class Attention(nn.Module):
@@ -122,7 +125,8 @@ class Attention(nn.Module):
             qkv = ulysses_qkv_to_heads(qkv, par.sp_group, par.counts, counters=par.counters)
         first, local = par.heads(self.hq)
         sinks = self.sinks[0, first : first + local]
-        o = segment_attention(qkv, plan.segments, sinks, 1.0 / math.sqrt(self.head_dim))
+        o = segment_attention(qkv, plan.segments, sinks, 1.0 / math.sqrt(self.head_dim),
+                              plan.attention)
         if par.sp > 1:
             o = ulysses_heads_to_seq(o, par.sp_group, par.counts, counters=par.counters)
         out: torch.Tensor = self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups,
@@ -323,16 +327,21 @@ class Magi2Transformer(PlannedModel[ForwardPlan, PackedInputs, torch.Tensor]):
     `dtype` (fp32 or bf16) is the dtype of the linears and experts and of the state between
     layers; see the module docstring for the rest. `experts`: the routed experts' weight
     format (`headmoe.moe.weights.ExpertWeights`; the released `Bf16Experts` by default).
-    Parameters start at zeros (identity norms); load weights with `load_checkpoint`.
-    Inference only."""
+    `attention`: the attention path of every forward (`ATTENTION_PATHS`; "triton" the
+    default). Parameters start at zeros (identity norms); load weights with
+    `load_checkpoint`. Inference only."""
 
     def __init__(
         self, config: Magi2Config, context: ParallelContext | None = None,
         dtype: torch.dtype = torch.float32, experts: type[ExpertWeights] = Bf16Experts,
+        attention: str = "triton",
     ) -> None:
         super().__init__()
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
+        self.attention = attention
         context = context if context is not None else ParallelContext.single()
         _validate_parallel(config, context.config)
         self.config, self.context, self.dtype = config, context, dtype
@@ -357,7 +366,7 @@ class Magi2Transformer(PlannedModel[ForwardPlan, PackedInputs, torch.Tensor]):
                                  self.pre_adapter.rope.bands,
                                  self.pre_adapter.video_embedder.weight.device, schedule,
                                  schedule.moe_dispatch)
-        return ForwardPlan(**fields, segments=packed.segments())
+        return ForwardPlan(**fields, segments=packed.segments(), attention=self.attention)
 
     # ------------------------------------------------------------------ forward
     def _embed(self, packed: PackedInputs, plan: ForwardPlan) -> torch.Tensor:
