@@ -45,6 +45,7 @@ from headmoe.pipeline.job import Components, build_components, run_request
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.stop import CANCEL, GO_ON, LayerGate, StopAtLayer
+from headmoe.planner.time import record_steps
 from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
 from headmoe.serve.spec import ServeSpec
@@ -167,6 +168,8 @@ class Leader:
         else:
             side = json.loads(Path(result["sidecar"]).read_text())
             self.store.finish(job, "completed", None, side)
+            record_steps(self.spec.deployment.step_cache, job.admission.get("step_key") or "",
+                         side["step_times_s"]["max"])  # later estimates of this cost
 
 
 def bind(host: str, port: int) -> socket.socket:
