@@ -30,6 +30,7 @@ from headmoe.pipeline.image_worker import read_image
 from headmoe.pipeline.interfaces import ReleaseFolder
 from headmoe.pipeline.job import GenerateJob
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.planner.time import record_steps
 from headmoe.release.components import magi2_components
 from headmoe.release.folder import RANDOM_WEIGHTS_NOTE
 
@@ -124,7 +125,7 @@ def startup_line(job: GenerateJob, world: int) -> str:
     """The line printed before the ranks start: the ranks and their CPU threads, and what
     the request makes (size, frames, fps and seconds as rounded, steps)."""
     from headmoe.distributed.context import rank_threads
-    from headmoe.planner.time import format_seconds
+    from headmoe.planner.time import MEASURED, format_seconds
 
     env = torchrun_env()
     threads = rank_threads(env.local_world_size if env is not None else world)
@@ -134,8 +135,12 @@ def startup_line(job: GenerateJob, world: int) -> str:
             f"{req.num_frames / req.fps:.3g} s, {req.num_inference_steps} steps")
     if job.refiner is not None:
         made += f", then the refiner at {job.refiner.width}x{job.refiner.height}"
-    estimate = job.extra.get("admission", {}).get("time_estimate_s")
-    took = "" if estimate is None else f"; estimated ~{format_seconds(estimate)} of steps"
+    admission = job.extra.get("admission", {})
+    estimate = admission.get("time_estimate_s")
+    how = ("measured steps" if admission.get("time_estimate_source") == MEASURED
+           else "FLOP-rate estimate")
+    took = ("" if estimate is None
+            else f"; estimated ~{format_seconds(estimate)} of steps ({how})")
     return (f"headmoe: checked the request and the model; starting {world} rank(s){per}; "
             f"making {made}{took}")
 
@@ -163,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
         results = [run_job(ctx, job)]
     else:
         results = cast(list[dict[str, Any]], launch_local(launched_rank, world, (job,)))
+    if results and (env is None or env.rank == 0):  # the next estimate of this cost
+        record_steps(job.deployment.step_cache, job.extra["admission"].get("step_key") or "",
+                     results[0].get("step_times_s") or [])
     for res in results:
         if res["output"]:
             print(

@@ -24,6 +24,7 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +68,7 @@ from headmoe.pipeline.refine import REFINER_FPS_FACTOR, RefinerStage, refine_sta
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
+from headmoe.pipeline.stop import LayerGate, streams_layers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,9 +183,15 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> JobResult:
     "sidecar", "step_times_s"}``; the hashes are those of the decoded uint8 frames
     ``[F, H, W, 3]`` and int16 audio ``[channels, samples]`` on the DP group's writer, None
     on other ranks. Bad inputs raise `ValueError` before any collective. Equivalent to
-    `run_request` over `build_components` (whose time counts in the sidecar's ``total_s``)."""
+    `run_request` over `build_components` (whose time counts in the sidecar's ``total_s``).
+
+    With streamed layers (`--offload-layers`) a rank whose layer read fails (the checkpoint
+    changed) stops every rank before that layer (`headmoe.pipeline.stop.LayerGate`)."""
     t_start = time.perf_counter()
-    return run_request(ctx, job, build_components(ctx, job), t_start=t_start)
+    parts = build_components(ctx, job)
+    gate = LayerGate(parts, ctx.device) if streams_layers(parts) else contextlib.nullcontext()
+    with gate:
+        return run_request(ctx, job, parts, t_start=t_start)
 
 
 def build_components(ctx: ParallelContext, job: GenerateJob) -> Components:
