@@ -1105,9 +1105,17 @@ def main(argv: list[str] | None = None) -> int:
         f"reads (default: {DeploymentOptions().cache_dir}; a dry run: <out>.cache)"))
     parser.add_argument("--inject-failure", action="append", default=[], choices=list(SECTIONS),
                         help="make this section raise at its start (tests the report)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=(
+        "comma-separated sections to run, in the report's order (default: all); the others "
+        "are reported 'not run'"))
     args = parser.parse_args(argv)  # fmt: skip
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {args.budget_s}")
+    chosen = [k.strip() for k in args.sections.split(",") if k.strip()]
+    unknown = [k for k in chosen if k not in SECTIONS]
+    if unknown or not chosen:
+        parser.error(f"--sections: unknown section(s) {unknown or args.sections!r}; "
+                     f"choose from {','.join(SECTIONS)}")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are imported
         triton_runtime.install_row_local_dot()
@@ -1124,7 +1132,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx.report.header = environment(ctx)
     ctx.report.write(args.out)
     for key in SECTIONS:
-        run_section(ctx, key, set(args.inject_failure), args.out)
+        if key in chosen:
+            run_section(ctx, key, set(args.inject_failure), args.out)
     print(f"wrote {args.out}")
     failed = ctx.report.failures()
     if failed:
