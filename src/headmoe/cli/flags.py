@@ -176,6 +176,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("no_progress", COMMAND, {"action": "store_true", "help": "no progress bar"}, named=False),
     Flag("overwrite", COMMAND, {"action": "store_true", "help": (
         "replace an existing --output file (default: refuse)")}, named=False),
+    # ---- serve's command-line flags
+    Flag("state_dir", COMMAND, {"default": None, "metavar": "DIR", "help": (
+        "the job database's folder (jobs.sqlite3): jobs survive a restart (docs/serving.md "
+        "section 5) (default: beside --output-dir, its name plus '-state')")}, named=False),
     Flag("check_weights", COMMAND, {"action": "store_true", "help": (
         "read every tensor of the transformer checkpoint (and of a release's text encoder "
         "and video and audio decoders) first and refuse NaN/Inf values")}, named=False),
