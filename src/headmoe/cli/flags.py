@@ -168,6 +168,11 @@ FLAGS: tuple[Flag, ...] = (
     # ---- generate's command-line flags
     Flag("prompt_file", COMMAND, {"default": None, "help": (
         "read the prompt from this UTF-8 file (instead of --prompt)")}, named=False),
+    Flag("samples", COMMAND, {"default": None, "metavar": "FILE", "help": (
+        "several requests on one model load: a JSON lines file, one request per line (the "
+        "request flags' fields as JSON keys, plus image and output); every line is admitted "
+        "before any runs; line N writes <output stem>.N.mp4 unless it gives output "
+        "(docs/guide.md, 'Several prompts')")}, named=False),
     Flag("image", COMMAND, {"default": None, "metavar": "PATH", "help": (
         "image-to-video: a PNG, JPEG or WebP file whose content becomes the first frame "
         "(release folders; the prompt gets the <Figure 1> marker)")}, named=False),
