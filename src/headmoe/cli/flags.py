@@ -189,6 +189,8 @@ FLAGS: tuple[Flag, ...] = (
         "read every tensor of the transformer checkpoint (and of a release's text encoder "
         "and video and audio decoders) first and refuse NaN/Inf values")}, named=False),
 )
+#: the flags of serve alone (generate takes every other flag of `FLAGS`)
+SERVE_ONLY = ("state_dir",)
 #: dest -> its flag
 BY_DEST: dict[str, Flag] = {f.dest: f for f in FLAGS}
 #: the field a refusal names that no flag of its own sets, and the flag that sets it

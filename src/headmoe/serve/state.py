@@ -25,12 +25,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from headmoe.pipeline.request import GenerateRequest
-
-if TYPE_CHECKING:  # store.py imports this module
-    from headmoe.serve.store import JobDatabase, JobRow
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
@@ -86,12 +83,28 @@ class Job:
         return self.request.num_inference_steps + (self.refiner.steps if self.refiner else 0)
 
 
+class JobLog(Protocol):
+    """Where `JobStore` writes every change of a job through to: the methods of
+    `headmoe.serve.store.JobDatabase` (which imports this module, hence a protocol)."""
+
+    def add(self, job: Job) -> None: ...
+    def readmit(self, job: Job) -> None: ...
+    def start(self, job_id: str, replica: int, started_at: float | None = None) -> None: ...
+    def progress(self, job_id: str, steps_done: int) -> None: ...
+    def request_cancel(self, job_id: str) -> None: ...
+    def complete(self, job_id: str, file: Path, sidecar: dict[str, Any],
+                 completed_at: int | None = None) -> None: ...
+    def end(self, job_id: str, status: str, error: str,
+            completed_at: int | None = None) -> None: ...
+    def delete(self, job_id: str) -> None: ...
+
+
 class JobStore:
     """Jobs by id (insertion order), the queue of queued ids (at most ``max_queue``), the
     draining flag and the counters behind ``/metrics``; ``db`` (optional) the database
     every change is written through to (module docstring)."""
 
-    def __init__(self, output_dir: str | Path, max_queue: int, db: JobDatabase | None = None):
+    def __init__(self, output_dir: str | Path, max_queue: int, db: JobLog | None = None):
         self.output_dir = Path(output_dir).resolve()
         self.max_queue = max_queue
         self.db = db
@@ -233,15 +246,15 @@ class JobStore:
         self._finished[status] += 1
         job.done.set()
 
-    def restore(self, rows: list[JobRow], readmit: Callable[[Job], Job]) -> list[Job]:
-        """Fill an empty store from a restarted server's database rows (submission order,
-        after `JobDatabase.recover`): every row listed; each queued one passed to
+    def restore(self, jobs: list[Job], readmit: Callable[[Job], Job]) -> list[Job]:
+        """Fill an empty store with a restarted server's jobs (its database's rows as
+        `Job` objects in submission order, after `JobDatabase.recover`): every job listed;
+        each queued one passed to
         ``readmit(job)`` (a `Job` -> the job admitted again, or `ValueError` whose text
         fails it) and queued again in its order (past ``max_queue``: they were accepted
         before). Returns the jobs queued again."""
         queued = []
-        for row in rows:
-            job = row.to_job()
+        for job in jobs:
             if job.status == "queued":
                 try:
                     job = readmit(job)

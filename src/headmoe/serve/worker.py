@@ -182,7 +182,8 @@ def open_store(spec: ServeSpec) -> JobStore:
         check_output_dir(db, spec.output_dir)
         recovery = db.recover()
         store = JobStore(spec.output_dir, spec.max_queue, db)
-        store.restore(db.jobs(), lambda job: readmit(job, spec))
+        store.restore([row.to_job() for row in db.jobs()],
+                      lambda job: readmit(job, spec))
     except BaseException:
         db.close()
         raise
