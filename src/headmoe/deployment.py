@@ -25,6 +25,7 @@ from headmoe.distributed.context import rank_device, rank_threads
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
+from headmoe.layers.flash_attention import resolve_attention
 from headmoe.models.magi2 import Magi2Config, get_config, validate_parallel
 from headmoe.models.magi2.config import PRESETS
 from headmoe.models.refiner import get_refiner_config
@@ -59,6 +60,8 @@ class DeploymentOptions:
     timeout: float = 60.0
     offload_layers: bool = False
     resident_layers: int = 0
+    attention: str = "auto"
+    """``--attention`` (`headmoe.layers.flash_attention.resolve_attention`)."""
     max_memory_gib: float | None = None
     """The per-rank budget in GiB (None: the detected limit; 0: no check)."""
     budget_flag: str = "--max-memory-gib"
@@ -102,6 +105,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
                                                  write=False)
         validate_parallel(model_config, opts.parallel)
     device = rank_device().type
+    attention = resolve_attention(opts.attention, device, opts.cache_dir)
     ranks = local_ranks(world)
     budget = memory_budget(opts.max_memory_gib, opts.budget_flag, ranks, device)
     check_stream(opts.offload_layers, opts.resident_layers, model_config.num_layers)
@@ -115,7 +119,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         refiner_config=None if release is None else release.refiner_config,
         refiner_problem="" if release is None else release.refiner_problem or "",
         threads=rank_threads(ranks), max_time_s=check_max_time(opts.max_time),
-        timeout_s=opts.timeout)
+        timeout_s=opts.timeout, attention=attention)
     if not opts.server:
         return dep
     return dataclasses.replace(dep, resident_refiner=dep.has_refiner,

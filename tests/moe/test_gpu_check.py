@@ -2,6 +2,8 @@
 interpreter (tiny shapes, no timing), so the device check cannot rot between GPU runs; and
 a section that fails still leaves a complete report."""
 
+import json
+
 import pytest
 import torch
 
@@ -37,6 +39,9 @@ def test_dry_run_passes_every_check_and_writes_the_report(tmp_path, interpreted)
     assert any("gather A/B" in r[1] and r[3].startswith("0 rows differ") for r in rows)
     assert any("_grouped_mm" in r[1] for r in rows) and any("kernel:" in r[1] for r in rows)
     assert any("SDPA flash" in r[1] for r in rows) and any("SDPA cuDNN" in r[1] for r in rows)
+    assert any("flash path (math (dry stand-in)) with the sink" in r[1] for r in rows)
+    proof = json.loads((tmp_path / "gpu_check.md.cache" / "attention_proof.json").read_text())
+    assert [k.split(" | ")[-1] for k in proof] == ["math (dry stand-in)"]
     assert any(r[0] == "0" and "shared=" in r[3] and "/232,448" in r[3] for r in rows)
     assert sum(r[0] == "f" and "streamed output == resident output" in r[1] for r in checks) == 2
     assert sum(r[0] == "i" for r in checks) == 4  # FP8: error, two widenings, rows

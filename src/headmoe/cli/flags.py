@@ -19,6 +19,7 @@ from typing import Any
 from headmoe.admission import INPUT_FIELDS
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.deployment import DeploymentOptions
+from headmoe.layers.flash_attention import ATTENTION_CHOICES, PROOF_FILE
 from headmoe.models.streaming import DEFAULT_SLOTS
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
 from headmoe.pipeline.refine import RefinerStage
@@ -98,6 +99,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("resident_layers", OPTIONS, {"type": int, "default": 0, "help": (
         "with --offload-layers: keep the first N layers on the device (spare memory, fewer "
         "bytes moved per step; default 0)")}),
+    Flag("attention", OPTIONS, {"choices": ATTENTION_CHOICES, "default": "auto", "help": (
+        "attention kernel on CUDA ranks: triton (headmoe's sink kernel), flash (torch's "
+        "FlashAttention-2 with the sink applied from its log-sum-exp), auto: flash once "
+        f"benchmarks/gpu_check.py has recorded its invariance for this GPU and torch/CUDA/"
+        f"cuDNN in <cache-dir>/{PROOF_FILE}, else triton (default: auto; CPU ranks run the "
+        "torch definition, and refuse flash)")}),
     Flag("cache_dir", OPTIONS, {"default": "~/.cache/headmoe", "help": (
         "where the tiny release folder is written once (default: ~/.cache/headmoe)")}, named=False),
     # ---- the request (admission's input fields)

@@ -326,6 +326,7 @@ def layer_reads(model: Magi2Transformer, layer_id: int, prefix: str = "") -> lis
 def stream_layers(
     config: Magi2Config, context: ParallelContext, dtype: torch.dtype, path: str | os.PathLike[str], *,
     resident_layers: int = 0, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
+    attention: str = "triton",
 ) -> tuple[Magi2Transformer, LayerStreamer]:
     """A `Magi2Transformer` on `context.device` whose layers after the first
     `resident_layers` stream from `path` through `slots` slot buffers (`headmoe.models.
@@ -336,7 +337,7 @@ def stream_layers(
     check_slots(slots)
     headers, report = check_checkpoint(config, path, dtype)
     with torch.device("meta"):
-        model = Magi2Transformer(config, context, dtype=dtype)
+        model = Magi2Transformer(config, context, dtype=dtype, attention=attention)
     files = {report.prefix + n: f for n, (f, _, _) in headers.items()}
     return model, attach_streamer(
         model, model.block.layers, streamed, lambda skip: load_checkpoint(model, path, skip=skip),
