@@ -31,6 +31,7 @@ from headmoe.models.magi2.config import PRESETS
 from headmoe.models.refiner import get_refiner_config
 from headmoe.pipeline.deployment import UNCHECKED, Budget, Deployment, check_timeout
 from headmoe.planner.memory import StreamSettings, memory_limit
+from headmoe.planner.time import STEP_TIMES_FILE
 from headmoe.release import folder as rel
 from headmoe.release.components import resolve_model
 from headmoe.release.text_encoder import TokenCounter
@@ -119,6 +120,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         refiner_config=None if release is None else release.refiner_config,
         refiner_problem="" if release is None else release.refiner_problem or "",
         threads=rank_threads(ranks), max_time_s=check_max_time(opts.max_time),
+        step_cache=str(Path(opts.cache_dir).expanduser() / STEP_TIMES_FILE),
         timeout_s=opts.timeout, attention=attention)
     if not opts.server:
         return dep

@@ -31,6 +31,7 @@ from headmoe.pipeline.image_worker import read_image
 from headmoe.pipeline.interfaces import ReleaseFolder
 from headmoe.pipeline.job import GenerateJob
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.planner.time import record_steps
 from headmoe.release.components import magi2_components
 from headmoe.release.folder import RANDOM_WEIGHTS_NOTE
 
@@ -164,7 +165,7 @@ def startup_line(job: GenerateJob, world: int) -> str:
     """The line printed before the ranks start: the ranks and their CPU threads, and what
     the request makes (size, frames, fps and seconds as rounded, steps)."""
     from headmoe.distributed.context import rank_threads
-    from headmoe.planner.time import format_seconds
+    from headmoe.planner.time import MEASURED, format_seconds
 
     env = torchrun_env()
     threads = rank_threads(env.local_world_size if env is not None else world)
@@ -174,8 +175,12 @@ def startup_line(job: GenerateJob, world: int) -> str:
             f"{req.num_frames / req.fps:.3g} s, {req.num_inference_steps} steps")
     if job.refiner is not None:
         made += f", then the refiner at {job.refiner.width}x{job.refiner.height}"
-    estimate = job.extra.get("admission", {}).get("time_estimate_s")
-    took = "" if estimate is None else f"; estimated ~{format_seconds(estimate)} of steps"
+    admission = job.extra.get("admission", {})
+    estimate = admission.get("time_estimate_s")
+    how = ("measured steps" if admission.get("time_estimate_source") == MEASURED
+           else "FLOP-rate estimate")
+    took = ("" if estimate is None
+            else f"; estimated ~{format_seconds(estimate)} of steps ({how})")
     return (f"headmoe: checked the request and the model; starting {world} rank(s){per}; "
             f"making {made}{took}")
 
@@ -199,7 +204,13 @@ def run(args: argparse.Namespace) -> int:
                 line = (f"headmoe: checked the {len(jobs)} requests of --samples {args.samples!r}"
                         f" and the model; starting {world} rank(s) for all of them")
             print(line, file=sys.stderr, flush=True)
-    for res in _run_jobs(jobs, world, env is not None, args.samples is not None):
+    results = _run_jobs(jobs, world, env is not None, args.samples is not None)
+    if results and (env is None or env.rank == 0):  # the next estimate of this cost
+        for job, res in zip(jobs, results, strict=False):  # rank 0's results come first
+            record_steps(job.deployment.step_cache,
+                         job.extra["admission"].get("step_key") or "",
+                         res.get("step_times_s") or [])
+    for res in results:
         if res["output"]:
             print(
                 f"wrote {res['output']} and {res['sidecar']} (seed {res['seed']}, "

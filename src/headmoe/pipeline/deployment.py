@@ -94,6 +94,9 @@ class Deployment:
     """torch threads per rank on a CPU (`set_rank_threads`'s count; the time estimate)."""
     max_time_s: float | None = None
     """``--max-time``: refuse a request whose time estimate is over it (None: no check)."""
+    step_cache: str = ""
+    """The measured step times' file (`headmoe.planner.time.STEP_TIMES_FILE` under the
+    cache dir; "": the time estimate is the FLOP-rate one only)."""
     timeout_s: float = 300.0
     """Seconds any collective may wait (`check_timeout`)."""
     attention: str = "triton"

@@ -24,6 +24,7 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -68,6 +69,7 @@ from headmoe.pipeline.refine import REFINER_FPS_FACTOR, RefinerStage, refine_sta
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
+from headmoe.pipeline.stop import LayerGate, streams_layers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,9 +184,15 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> JobResult:
     "sidecar", "step_times_s"}``; the hashes are those of the decoded uint8 frames
     ``[F, H, W, 3]`` and int16 audio ``[channels, samples]`` on the DP group's writer, None
     on other ranks. Bad inputs raise `ValueError` before any collective. Equivalent to
-    `run_request` over `build_components` (whose time counts in the sidecar's ``total_s``)."""
+    `run_request` over `build_components` (whose time counts in the sidecar's ``total_s``).
+
+    With streamed layers (`--offload-layers`) a rank whose layer read fails (the checkpoint
+    changed) stops every rank before that layer (`headmoe.pipeline.stop.LayerGate`)."""
     t_start = time.perf_counter()
-    return run_request(ctx, job, build_components(ctx, job), t_start=t_start)
+    parts = build_components(ctx, job)
+    gate = LayerGate(parts, ctx.device) if streams_layers(parts) else contextlib.nullcontext()
+    with gate:
+        return run_request(ctx, job, parts, t_start=t_start)
 
 
 def run_loaded(ctx: ParallelContext, jobs: Sequence[GenerateJob]) -> list[JobResult]:
@@ -199,10 +207,12 @@ def run_loaded(ctx: ParallelContext, jobs: Sequence[GenerateJob]) -> list[JobRes
         raise ValueError(f"jobs on one model load need one dtype, got {sorted(dtypes)}")
     stage = next((job.refiner for job in jobs if job.refiner is not None), None)
     parts = build_components(ctx, dataclasses.replace(jobs[0], refiner=stage))
+    gate = LayerGate(parts, ctx.device) if streams_layers(parts) else contextlib.nullcontext()
     results = []
-    for i, job in enumerate(jobs):
-        ctx.counters.reset()
-        results.append(run_request(ctx, job, parts, t_start=t_start if i == 0 else None))
+    with gate:  # as `run_job`'s
+        for i, job in enumerate(jobs):
+            ctx.counters.reset()
+            results.append(run_request(ctx, job, parts, t_start=t_start if i == 0 else None))
     return results
 
 
