@@ -53,7 +53,10 @@ def test_the_subcommands_take_their_flags_from_the_table():
             if action.dest in flags.BY_DEST:
                 assert action.option_strings[0] == flags.BY_DEST[action.dest].option
     generate = {a.dest for a in sub.choices["generate"]._actions}
-    assert {f.dest for f in flags.FLAGS} <= generate  # generate has every flag
+    serve = {a.dest for a in sub.choices["serve"]._actions}
+    # generate has every flag but serve's own, which serve has
+    assert {f.dest for f in flags.FLAGS} - set(flags.SERVE_ONLY) <= generate
+    assert set(flags.SERVE_ONLY) <= serve and not set(flags.SERVE_ONLY) & generate
 
 
 def test_a_refusal_field_maps_to_its_flags_through_the_table():

@@ -30,11 +30,14 @@ _CARD_DEFAULTS = ("negative_prompt", "seed", "num_inference_steps", "height", "w
 class ServeSpec:
     """One server: its ``deployment`` (every request is admitted on it and runs with its
     layout, model, dtype and collective timeout) and its HTTP settings. ``output_dir``
-    holds the videos; ``drain_timeout_s`` is how long SIGTERM lets the current job run
-    before cancelling it; ``tick_s`` how often idle ranks hear from rank 0."""
+    holds the videos, ``state_dir`` the job database (`headmoe.serve.store.JobDatabase`;
+    None: jobs live in rank 0's memory only); ``drain_timeout_s`` is how long SIGTERM lets
+    the current job run before cancelling it; ``tick_s`` how often idle ranks hear from
+    rank 0."""
 
     deployment: Deployment
     output_dir: str
+    state_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None

@@ -50,6 +50,8 @@ from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import ID_PATTERN, Job, JobStore, redact_paths
+from headmoe.serve.store import INTERRUPTED, JobDatabase, check_output_dir
+from headmoe.serve.validate import readmit
 
 
 class JobCancelled(Exception):
@@ -61,7 +63,7 @@ class Leader:
 
     def __init__(self, spec: ServeSpec, sock: socket.socket, *, watch_parent: bool = False):
         self.spec, self.sock = spec, sock
-        self.store = JobStore(spec.output_dir, spec.max_queue)
+        self.store = open_store(spec)
         self.drain_requested = False
         self.drain_deadline: float | None = None
         self.current: Job | None = None
@@ -170,6 +172,31 @@ class Leader:
             self.store.finish(job, "completed", None, side)
             record_steps(self.spec.deployment.step_cache, job.admission.get("step_key") or "",
                          side["step_times_s"]["max"])  # later estimates of this cost
+
+
+def open_store(spec: ServeSpec) -> JobStore:
+    """Rank 0's `JobStore`; with ``spec.state_dir`` over its `JobDatabase`, restored from
+    it (`JobDatabase.recover`, then `JobStore.restore` with every queued job admitted again
+    on this server: `readmit`). Runs before the model loads; `UserError` for a database
+    that cannot be used."""
+    if spec.state_dir is None:
+        return JobStore(spec.output_dir, spec.max_queue)
+    db = JobDatabase(spec.state_dir)
+    try:
+        check_output_dir(db, spec.output_dir)
+        recovery = db.recover()
+        store = JobStore(spec.output_dir, spec.max_queue, db)
+        store.restore([row.to_job() for row in db.jobs()],
+                      lambda job: readmit(job, spec))
+    except BaseException:
+        db.close()
+        raise
+    if recovery.interrupted or recovery.requeue or recovery.lost:
+        print(f"headmoe serve: {db.path}: {len(recovery.requeue)} queued job(s) queued "
+              f"again, {len(recovery.interrupted)} interrupted one(s) failed "
+              f"({INTERRUPTED!r}), {len(recovery.lost)} completed one(s) without their file "
+              "failed", file=sys.stderr, flush=True)
+    return store
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -297,6 +324,8 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
     finally:
         if leader is not None:
             leader.stop_http()
+            if leader.store.db is not None:
+                leader.store.db.close()
         ctx.destroy()
     if leader is not None:
         print("headmoe serve: stopped", file=sys.stderr, flush=True)
