@@ -1,7 +1,7 @@
 """One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
 seconds (default 360) that cannot stop half-way without a report.
 
-First the environment (device name, versions, clocks), then ten sections, each in its own
+First the environment (device name, versions, clocks), then eleven sections, each in its own
 try/except, the markdown file `--out` rewritten (atomically) after every section, so a
 failure or the budget running out loses only the rest of that section:
 
@@ -19,7 +19,12 @@ failure or the budget running out loses only the rest of that section:
     `torch._grouped_mm` bf16 on the same routes as the baseline, peak memory, and the
     registers / spills / shared memory of the kernels the device compiled;
 (d) sink attention at 272p per-rank shapes (Ulysses SP8: 3 heads of 128, 2 segments of
-    14,836 tokens) beside SDPA's flash and cuDNN backends (no sink) on the same shapes;
+    14,836 tokens): the Triton kernel, the flash path (`headmoe.layers.flash_attention`:
+    torch's FA2 varlen with one KV split, and cuDNN; the sink from the LSE) against the
+    definition with its invariance probe (head subsets, rows moved), whose result is
+    recorded for `--attention auto` under `--cache-dir` (`attention_proof.json`, keyed by
+    GPU name and torch/CUDA/cuDNN versions), and SDPA's flash and cuDNN backends (no
+    sink) on the same shapes;
 (e) one layer-shaped workload at SP8/EP4 per-rank shapes (no collectives): RMSNorm and the
     linears through headmoe's batch-invariant ops, attention, routing + experts, beside
     the same steps with cuBLAS linears and torch RMSNorm;
@@ -38,6 +43,12 @@ failure or the budget running out loses only the rest of that section:
     shapes: against the torch FP8 path (`experts_fp8`), the hardware's E4M3
     widening vs the bit-operation one (same bits), sub-batch rows, and TFLOP/s and weight
     bytes/s beside the bf16 kernels on the same routes.
+(j) the fused expert tile (`expert_tile_kernel`, the default) against the two-kernel path
+    (`gate_up_kernel` + `down_kernel`, `MoETiles(fused=False)`) at the section (c) shapes:
+    rows that differ and the largest difference (rounding only), rows alone vs in the
+    batch, time of both; and the fused layer linear (`triton_dense.linear_rows`: RMSNorm
+    prologue, SwiGLU7 epilogue, bf16 out) against the unfused kernels at the SP8 per-rank
+    shape (3,709 tokens, 3072 -> 2 x 2560): differing rows, error, time of both.
 
 Exit status 0 when every check passed, 1 when a check or a section failed or the budget
 ran out, 2 without a CUDA device. Targets (ratios in the table, never asserted by timed
@@ -76,7 +87,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import bench_stream, compile_check  # noqa: E402
+from headmoe.deployment import DeploymentOptions  # noqa: E402
 from headmoe.files import atomic_write  # noqa: E402
+from headmoe.layers import flash_attention as fa  # noqa: E402
 from headmoe.layers import mhc, norms, triton_dense, triton_runtime  # noqa: E402
 from headmoe.layers.activations import swiglu7, swiglu7_  # noqa: E402
 from headmoe.layers.matmul import bi_linear, bi_matmul  # noqa: E402
@@ -97,12 +110,13 @@ SECTIONS = {
     "a": "bf16 correctness and row invariance of every kernel",
     "b": "dense-op invariance probe",
     "c": "MoE experts: speed, per-kernel table, gather A/B, grouped_mm baseline, memory",
-    "d": "attention vs SDPA flash / cuDNN",
+    "d": "attention: Triton vs the flash path (FA2, cuDNN; probe, proof) vs SDPA",
     "e": "layer-shaped workload",
     bench_stream.SECTION: "layer streaming: H2D GB/s, step time resident vs streamed, copy hidden",
     "g": "refiner block-grid attention at 1080p vs dense SDPA of the same pairs",
     "h": "fused mHC (coefficients + Sinkhorn, input, update) vs the eager torch definition",
     "i": "FP8 routed experts (W8A16): error, widenings, rows, speed and bytes/s vs bf16",
+    "j": "fused expert tile vs the two kernels; fused layer linear vs the unfused ops",
 }
 
 
@@ -157,6 +171,8 @@ class Ctx:
     sh: Shapes
     deadline: float
     report: Report
+    proof_dir: str = DeploymentOptions().cache_dir
+    """Where section d records the flash path's invariance proof (`--cache-dir`)."""
 
     def check_budget(self) -> None:
         if time.monotonic() > self.deadline:
@@ -595,7 +611,8 @@ def device_compile_info(ctx: Ctx) -> None:
     from headmoe.moe import triton_moe
 
     kern = triton_runtime.kernels(triton_moe.KERNELS)
-    for name in ("route_kernel", "gate_up_kernel", "down_kernel", "combine_kernel"):
+    for name in ("route_kernel", "expert_tile_kernel", "gate_up_kernel", "down_kernel",
+                 "combine_kernel"):
         caches = getattr(getattr(kern, name), "device_caches", None)
         if not caches:
             ctx.report.add("c", f"device compile: {name}", "", "interpreter: no device compile")
@@ -653,15 +670,53 @@ def section_moe(ctx: Ctx) -> None:
 
 
 # ---------------------------------------------------------------------------- (d) attention
+def flash_backends(ctx: Ctx) -> dict[str, fa.FlashBackend]:
+    """The flash backends of section d (`headmoe.layers.flash_attention.BACKENDS`); a dry
+    run has none on the CPU and runs the math definition in their place (the code path)."""
+    return {"math (dry stand-in)": fa.math_backend} if ctx.dry else dict(fa.BACKENDS)
+
+
+def flash_probe(qkv: torch.Tensor, segs: list[tuple[int, int]], sinks: torch.Tensor,
+                scale: float, backend: fa.FlashBackend) -> tuple[torch.Tensor, int]:
+    """The flash path's invariance probe: (the full call `[L, h, D]`, rows that differ from it
+    in bits) over head subsets (one head, the last heads), the last segment alone at row 0,
+    and the segments packed in the reverse order (rows moved). qkv `[L, 3, h, D]`."""
+    def run(x: torch.Tensor, s: list[tuple[int, int]], sk: torch.Tensor) -> torch.Tensor:
+        return fa.flash_segment_attention(x, s, sk, scale, backend=backend)
+
+    full, h = run(qkv, segs, sinks), qkv.shape[2]
+    bad = sum(mismatched_rows(run(qkv[:, :, a:b], segs, sinks[a:b]), full[:, a:b])
+              for a, b in ((0, 1), (1, h), (h - 1, h)))
+    a, b = segs[-1]
+    bad += mismatched_rows(run(qkv[a:b], [(0, b - a)], sinks), full[a:b])
+    rev, pos = [], 0
+    for x, y in reversed(segs):
+        rev.append((pos, pos + y - x))
+        pos += y - x
+    moved = run(torch.cat([qkv[x:y] for x, y in reversed(segs)]), rev, sinks)
+    back = torch.cat([moved[r0:r1] for r0, r1 in reversed(rev)])
+    return full, bad + mismatched_rows(back, full)
+
+
+def record_proof(ctx: Ctx, name: str, invariant: bool, detail: str) -> str:
+    """Write this device and stack's proof of backend `name` (`fa.write_proof`) under
+    `ctx.proof_dir`; returns where."""
+    key = fa.proof_key(ctx.device if not ctx.dry else "cpu", name)
+    return str(fa.write_proof(ctx.proof_dir, key, invariant, detail))
+
+
 def section_attention(ctx: Ctx) -> None:
-    """Sink attention over `segments` packed segments, and SDPA (no sink) per segment with
-    the flash and cuDNN backends (a backend this device lacks is reported as such)."""
+    """Sink attention over `segments` packed segments: the Triton kernel, and the flash path
+    (`headmoe.layers.flash_attention`: torch's FA2 varlen with num_splits=1, and cuDNN, the
+    sink from the LSE) against the fp32 definition, with the invariance probe whose result
+    `--attention auto` reads (`record_proof`); then SDPA (no sink) per segment."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     sh = ctx.sh
     length = sh.segment * sh.segments
     g = torch.Generator(device=ctx.device).manual_seed(7)
-    q, k, v = (ctx.randn(length, sh.attn_heads, sh.head_dim, gen=g) for _ in range(3))
+    qkv = ctx.randn(length, 3, sh.attn_heads, sh.head_dim, gen=g)
+    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
     sinks = ctx.randn(sh.attn_heads, dtype=torch.float32, gen=g)
     segs = [(i * sh.segment, (i + 1) * sh.segment) for i in range(sh.segments)]
     scale = sh.head_dim**-0.5
@@ -670,16 +725,38 @@ def section_attention(ctx: Ctx) -> None:
     t = ctx.time(lambda: triton_segment_attention(q, k, v, segs, sinks, scale))
     ok = None if t is None else flop / t / 1e9 >= 0.4 * PEAK_TFLOPS
     ctx.report.add("d", "sink attention, Triton", shape, tflops(flop, t), ">= 40% of peak", ok)
+    rows = min(sh.segment, 2048)  # the definition's check on each segment's first rows
+    want = torch.cat([attention_reference(q[a:a + rows], k[a:b], v[a:b], sinks, scale)
+                      for a, b in segs])  # fmt: skip
+    tol = 2e-2 if ctx.dtype == torch.bfloat16 else 1e-4
+    for name, backend in flash_backends(ctx).items():
+        try:
+            full, bad = flash_probe(qkv, segs, sinks, scale, backend)
+        except RuntimeError as e:
+            ctx.report.add("d", f"flash path ({name}), sink from the LSE", shape,
+                           f"unavailable: {str(e).splitlines()[0][:80]}")  # fmt: skip
+            continue
+        got = torch.cat([full[a:a + rows] for a, _ in segs]).float()
+        err = float((got - want).abs().max())
+        ctx.report.add("d", f"flash path ({name}) vs fp32 definition (max abs err)", shape,
+                       f"{err:.2e}", f"<= {tol:g}", err <= tol)  # fmt: skip
+        where = record_proof(ctx, name, bad == 0 and err <= tol, f"{bad} rows differ; {shape}")
+        # a dry run's stand-in is a code path, not a proof: its row is not a check
+        ctx.report.add("d", f"flash path ({name}) rows bit-identical (head subsets, segment "
+                       f"alone, segments reordered); proof in {where}", shape,
+                       f"{bad} rows differ", "0", None if ctx.dry else bad == 0)  # fmt: skip
+        ms = ctx.time(lambda b=backend: fa.flash_segment_attention(qkv, segs, sinks, scale, b))
+        ratio = "" if ms is None or t is None else f"; Triton / this time {t / ms:.2f}"
+        ctx.report.add("d", f"flash path ({name}) with the sink", shape, tflops(flop, ms) + ratio)
     heads = [x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v)]
 
     def sdpa() -> None:
         for a, b in segs:
             F.scaled_dot_product_attention(*(x[:, :, a:b] for x in heads), scale=scale)
 
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                          ("cuDNN", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
+    for name, sdp in (("flash", SDPBackend.FLASH_ATTENTION), ("cuDNN", SDPBackend.CUDNN_ATTENTION)):
         try:
-            with sdpa_kernel(backend):
+            with sdpa_kernel(sdp):
                 ms = ctx.time(sdpa)
             value = tflops(flop, ms) + ("" if ms is None or t is None else f"; Triton/SDPA "
                                         f"time {t / ms:.2f}")  # fmt: skip
@@ -921,10 +998,79 @@ def section_mhc(ctx: Ctx) -> None:
                    f"{ms_text(t_fused)}, {ms_text(t_eager)}{ratio}")  # fmt: skip
 
 
+# ---------------------------------------------------------------------------- (j) fusion
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| (fp32)."""
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def check_expert_tile(ctx: Ctx, n: int) -> None:
+    """The fused expert tile against the two-kernel path on the same routes: rows that
+    differ, the largest difference, rows alone vs in the batch, time of both."""
+    sh = ctx.sh
+    inp = moe_inputs(ctx, n, seed=n + 1)
+    z, wts = inp["z"], inp["weights"]
+    ids, w = routes(ctx, inp)
+    two = dataclasses.replace(DEFAULT_TILES, fused=False)
+    shape = f"{n:,} tok x {sh.heads} heads, {sh.experts} experts, top-{sh.top_k}"
+    fused, split = experts_triton(z, ids, w, *wts), experts_triton(z, ids, w, *wts, tiles=two)
+    ctx.report.add("j", "fused expert tile vs two kernels", shape,
+                   f"{mismatched_rows(fused, split)} rows differ, max |diff| "
+                   f"{max_diff(fused, split):.3g}")  # fmt: skip
+    lo, hi = n // 3, n // 3 + 7
+    alone = experts_triton(z[lo:hi], ids[lo:hi], w[lo:hi], *wts)
+    bad = mismatched_rows(alone, fused[lo:hi])
+    ctx.report.add("j", "fused expert tile rows alone vs in the batch", shape,
+                   f"{bad} rows differ", "0", bad == 0)  # fmt: skip
+    t_fused = ctx.time(lambda: experts_triton(z, ids, w, *wts))
+    t_two = ctx.time(lambda: experts_triton(z, ids, w, *wts, tiles=two))
+    ratio = "" if t_fused is None or t_two is None else f"; two / fused {t_two / t_fused:.2f}"
+    ctx.report.add("j", "experts: fused tile, two kernels ms", shape,
+                   f"{ms_text(t_fused)}, {ms_text(t_two)}{ratio}")  # fmt: skip
+
+
+def check_fused_linear(ctx: Ctx) -> None:
+    """`linear_rows` with the RMSNorm prologue and the SwiGLU7 epilogue (the multimodal
+    MLP's up projection) against rms_norm_rows -> cast -> matmul -> swiglu7 -> cast."""
+    sh, dt = ctx.sh, ctx.dtype
+    g = torch.Generator(device=ctx.device).manual_seed(13)
+    x = ctx.randn(sh.t_local, sh.hidden, gen=g)
+    w = ctx.randn(2 * sh.shared, sh.hidden, scale=sh.hidden**-0.5, gen=g)
+    nw = ctx.randn(sh.hidden, scale=0.1, dtype=torch.float32, gen=g)
+    shape = f"{sh.t_local:,} tok, {sh.hidden} -> 2 x {sh.shared}, {dt}".replace("torch.", "")
+
+    def fused() -> torch.Tensor:
+        norm = triton_dense.RowNorm(triton_dense.rms_inv_rows(x, 1e-6), nw)
+        return triton_dense.linear_rows(x, w.t(), norm=norm, swiglu=True, out_dtype=dt)
+
+    def unfused() -> torch.Tensor:
+        xn = triton_dense.rms_norm_rows(x, nw, 1e-6).to(dt)
+        return swiglu7(triton_dense.matmul(xn, w.t()).float()).to(dt)
+
+    a, b = fused(), unfused()
+    ctx.report.add("j", "fused linear (norm + SwiGLU7) vs unfused kernels", shape,
+                   f"{mismatched_rows(a, b)} rows differ, max |diff| {max_diff(a, b):.3g}")
+    lo, hi = sh.t_local // 3, sh.t_local // 3 + 5
+    norm = triton_dense.RowNorm(triton_dense.rms_inv_rows(x[lo:hi], 1e-6), nw)
+    part = triton_dense.linear_rows(x[lo:hi], w.t(), norm=norm, swiglu=True, out_dtype=dt)
+    bad = mismatched_rows(part, a[lo:hi])
+    ctx.report.add("j", "fused linear rows alone vs in the batch", shape, f"{bad} rows differ",
+                   "0", bad == 0)  # fmt: skip
+    t_f, t_u = ctx.time(fused), ctx.time(unfused)
+    ratio = "" if t_f is None or t_u is None else f"; unfused / fused {t_u / t_f:.2f}"
+    ctx.report.add("j", "fused, unfused ms", shape, f"{ms_text(t_f)}, {ms_text(t_u)}{ratio}")
+
+
+def section_fusion(ctx: Ctx) -> None:
+    for n in ctx.sh.moe_tokens[-1:] if ctx.dry else ctx.sh.moe_tokens:  # dry: the code path once
+        check_expert_tile(ctx, n)
+    check_fused_linear(ctx)
+
+
 SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
     "0": section_compile, "a": section_checks, "b": section_probe, "c": section_moe,
     "d": section_attention, "e": section_layer, bench_stream.SECTION: bench_stream.gpu_section,
-    "g": section_refiner, "h": section_mhc, "i": section_fp8,
+    "g": section_refiner, "h": section_mhc, "i": section_fp8, "j": section_fusion,
 }  # fmt: skip
 
 
@@ -954,11 +1100,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny shapes on the CPU under Triton's interpreter, no timing")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="stop starting timed work after this many seconds (default 360)")
+    parser.add_argument("--cache-dir", default=None, help=(
+        "where section d records the flash path's invariance proof that `--attention auto` "
+        f"reads (default: {DeploymentOptions().cache_dir}; a dry run: <out>.cache)"))
     parser.add_argument("--inject-failure", action="append", default=[], choices=list(SECTIONS),
                         help="make this section raise at its start (tests the report)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=(
+        "comma-separated sections to run, in the report's order (default: all); the others "
+        "are reported 'not run'"))
     args = parser.parse_args(argv)  # fmt: skip
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {args.budget_s}")
+    chosen = [k.strip() for k in args.sections.split(",") if k.strip()]
+    unknown = [k for k in chosen if k not in SECTIONS]
+    if unknown or not chosen:
+        parser.error(f"--sections: unknown section(s) {unknown or args.sections!r}; "
+                     f"choose from {','.join(SECTIONS)}")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel modules are imported
         triton_runtime.install_row_local_dot()
@@ -968,11 +1125,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     else:
         device, dtype, sh = "cuda", torch.bfloat16, FULL
-    ctx = Ctx(args.dry_run, device, dtype, sh, time.monotonic() + args.budget_s, Report())
+    proof_dir = args.cache_dir or (f"{args.out}.cache" if args.dry_run
+                                   else DeploymentOptions().cache_dir)
+    ctx = Ctx(args.dry_run, device, dtype, sh, time.monotonic() + args.budget_s, Report(),
+              proof_dir)
     ctx.report.header = environment(ctx)
     ctx.report.write(args.out)
     for key in SECTIONS:
-        run_section(ctx, key, set(args.inject_failure), args.out)
+        if key in chosen:
+            run_section(ctx, key, set(args.inject_failure), args.out)
     print(f"wrote {args.out}")
     failed = ctx.report.failures()
     if failed:

@@ -95,6 +95,8 @@ class Admitted:
         """What the sidecar records (``admission``)."""
         return {"recipe": self.recipe, "sources": self.sources, "notes": self.notes,
                 "time_estimate_s": None if self.time is None else round(self.time.seconds, 1),
+                "time_estimate_source": None if self.time is None else self.time.source,
+                "step_key": None if self.time is None else self.time.key,
                 "given": {k: v for k, v in self.given.items()
                           if k not in ("prompt", "negative_prompt")},
                 "tokens": self.shape.to_dict(), "estimate_bytes": self.estimate.total,
@@ -359,7 +361,7 @@ def check_time(dep: Deployment, req: GenerateRequest, shape: RequestShape,
                refiner: RefinerStage | None) -> TimeEstimate:
     """The request's `TimeEstimate` (`headmoe.planner.time`), refused when over
     ``dep.max_time_s`` naming the estimate and the fields that set it."""
-    from headmoe.planner.time import estimate_time, format_seconds
+    from headmoe.planner.time import estimate_time, measured_step, step_key
 
     extra, extra_steps = 0.0, 0
     if refiner is not None and dep.refiner_config is not None:
@@ -368,15 +370,18 @@ def check_time(dep: Deployment, req: GenerateRequest, shape: RequestShape,
         thw = refiner.latent_thw(shape.video_latent[0])
         work = refiner_work(dep.refiner_config, thw, max(shape.text_tokens))
         extra, extra_steps = 2 * refiner.steps * work.flop, refiner.steps
-    est = estimate_time(dep.model_config, (shape.branch_tokens(0), shape.branch_tokens(1)),
-                        dep.parallel, req.num_inference_steps, dep.device, dep.threads, extra,
-                        extra_steps)
+    tokens = (shape.branch_tokens(0), shape.branch_tokens(1))
+    key = step_key(dep.model_config, dep.parallel, dep.device, dep.threads, req.dtype, tokens,
+                   dep.offload_layers)
+    est = estimate_time(dep.model_config, tokens, dep.parallel, req.num_inference_steps,
+                        dep.device, dep.threads, extra, extra_steps,
+                        measured_step(dep.step_cache, key), key)
     if dep.max_time_s is not None and est.seconds > dep.max_time_s:
         raise Refusal("num_inference_steps,height,width,num_frames", req.num_inference_steps,
                       f"{dep.describe or 'the model'}: num_inference_steps="
                       f"{req.num_inference_steps}, height={req.height}, width={req.width}, "
                       f"num_frames={req.num_frames} take an estimated "
-                      f"{format_seconds(est.seconds)} on {dep.parallel.world_size} "
+                      f"{est.describe()[1:]} on {dep.parallel.world_size} "
                       f"{dep.device} rank(s), over max_time={dep.max_time_s:g} s; use fewer "
                       "steps, a smaller size, fewer frames, more ranks or a larger max_time "
                       "(docs/guide.md, 'On a CPU')")

@@ -25,6 +25,7 @@ from headmoe.distributed.context import rank_device, rank_threads
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
+from headmoe.layers.flash_attention import resolve_attention
 from headmoe.models.magi2 import Magi2Config, get_config, validate_parallel
 from headmoe.models.magi2.config import PRESETS
 from headmoe.models.magi2.loading import stored_expert_format
@@ -32,6 +33,7 @@ from headmoe.models.refiner import get_refiner_config
 from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT, check_expert_format, resolve_format
 from headmoe.pipeline.deployment import UNCHECKED, Budget, Deployment, check_timeout
 from headmoe.planner.memory import StreamSettings, memory_limit
+from headmoe.planner.time import STEP_TIMES_FILE
 from headmoe.release import folder as rel
 from headmoe.release.components import resolve_model
 from headmoe.release.text_encoder import TokenCounter
@@ -64,6 +66,8 @@ class DeploymentOptions:
     expert_format: str | None = None
     """The routed experts' format (`headmoe.moe.formats.EXPERT_FORMATS`); None: the
     checkpoint's own (a plan or a configuration: "bf16")."""
+    attention: str = "auto"
+    """``--attention`` (`headmoe.layers.flash_attention.resolve_attention`)."""
     max_memory_gib: float | None = None
     """The per-rank budget in GiB (None: the detected limit; 0: no check)."""
     budget_flag: str = "--max-memory-gib"
@@ -111,6 +115,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         stored = stored_expert_format(checkpoint)
     expert_format = check_expert_stream(opts, stored, checkpoint)
     device = rank_device().type
+    attention = resolve_attention(opts.attention, device, opts.cache_dir)
     ranks = local_ranks(world)
     budget = memory_budget(opts.max_memory_gib, opts.budget_flag, ranks, device)
     check_stream(opts.offload_layers, opts.resident_layers, model_config.num_layers)
@@ -124,7 +129,8 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         refiner_config=None if release is None else release.refiner_config,
         refiner_problem="" if release is None else release.refiner_problem or "",
         threads=rank_threads(ranks), max_time_s=check_max_time(opts.max_time),
-        timeout_s=opts.timeout)
+        step_cache=str(Path(opts.cache_dir).expanduser() / STEP_TIMES_FILE),
+        timeout_s=opts.timeout, attention=attention)
     if not opts.server:
         return dep
     return dataclasses.replace(dep, resident_refiner=dep.has_refiner,

@@ -135,6 +135,32 @@ def test_time_estimate_is_printed_before_ranks_and_max_time_refuses(tmp_path, ca
     assert "estimated" in err and "max-time" in err and "5 s" in err, err
 
 
+def test_a_measured_step_replaces_the_flop_rate_estimate(tmp_path, capsys, monkeypatch):
+    """A finished run records its median step (the first left out) under the cache dir;
+    the next run of that cost is estimated from it, and the start-up line says which."""
+    from headmoe.planner.time import STEP_TIMES_FILE
+
+    jobs = []
+    ran = {"output": None, "step_times_s": [30.0, 2.0, 4.0, 3.0]}
+    monkeypatch.setattr(generate_cli, "launch_local", lambda fn, n, a: jobs.append(a[0]) or [ran])
+    monkeypatch.chdir(tmp_path)
+    base = ["generate", "--prompt", "a fox", "--cache-dir", str(tmp_path / "cache"),
+            "--nproc", "2", "--ulysses-degree", "2", "--num-inference-steps", "4"]
+
+    def start_line() -> str:
+        return next(ln for ln in capsys.readouterr().err.splitlines() if "starting" in ln)
+
+    assert main(base) == 0 and "(FLOP-rate estimate)" in start_line()
+    assert main(base) == 0 and "estimated ~12 s of steps (measured steps)" in start_line()
+    assert jobs[1].extra["admission"]["time_estimate_source"] == "measured"
+    assert main([*base, "--size", "64x64"]) == 0 and "(FLOP-rate estimate)" in start_line()
+    assert main([*base, "--max-time", "10"]) == 2 and len(jobs) == 3
+    err = capsys.readouterr().err
+    assert "estimated 12 s (measured steps)" in err and "max-time" in err, err
+    (tmp_path / "cache" / STEP_TIMES_FILE).write_text("{not json")  # a cache: ignored
+    assert main(base) == 0 and "(FLOP-rate estimate)" in start_line()
+
+
 def test_release_recipe_on_a_cpu_is_estimated_in_hours():
     from headmoe.admission import admit
     from headmoe.errors import Refusal

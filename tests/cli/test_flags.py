@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 import headmoe.cli.compare as compare_cli
 import headmoe.cli.generate as generate_cli
@@ -52,7 +53,10 @@ def test_the_subcommands_take_their_flags_from_the_table():
             if action.dest in flags.BY_DEST:
                 assert action.option_strings[0] == flags.BY_DEST[action.dest].option
     generate = {a.dest for a in sub.choices["generate"]._actions}
-    assert {f.dest for f in flags.FLAGS} <= generate  # generate has every flag
+    serve = {a.dest for a in sub.choices["serve"]._actions}
+    # generate has every flag but serve's own, which serve has
+    assert {f.dest for f in flags.FLAGS} - set(flags.SERVE_ONLY) <= generate
+    assert set(flags.SERVE_ONLY) <= serve and not set(flags.SERVE_ONLY) & generate
 
 
 def test_a_refusal_field_maps_to_its_flags_through_the_table():
@@ -97,6 +101,66 @@ def test_build_deployment_from_the_options(cache):
     assert only.release is None and only.budget.limit is None and only.describe == ""
     with pytest.raises(ValueError, match="--nproc has 2 ranks but the layout needs"):
         build_deployment(DeploymentOptions(cache_dir=str(cache), nproc=2))
+
+
+def test_attention_flag_reaches_the_forward_plan(cache):
+    """``--attention``: CPU ranks run the default path under auto / triton and refuse flash
+    by name, before any rank starts; the Deployment's path reaches the model's plan."""
+    from headmoe.models.magi2 import Magi2Transformer
+    from headmoe.models.magi2.packing import BranchInput, pack_branches
+
+    args = build_parser().parse_args(["generate", "--cache-dir", str(cache), "--prompt", "x"])
+    assert args.attention == "auto"
+    assert build_deployment(flags.options_of(args)).attention == "triton"
+    args = build_parser().parse_args(["generate", "--cache-dir", str(cache), "--prompt", "x",
+                                      "--attention", "flash"])
+    with pytest.raises(ValueError, match="attention=flash needs CUDA ranks") as e:
+        build_deployment(flags.options_of(args))
+    assert flags.as_flags(str(e.value)).startswith("--attention=flash needs CUDA ranks")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Deployment(model_config=get_config("tiny"), attention="auto")
+    cfg = get_config("tiny")
+    model = Magi2Transformer(cfg, attention="flash")
+    branch = BranchInput(torch.zeros(2, 2, 2, cfg.video_in_channels), torch.zeros(3, cfg.audio_in_channels),
+                         torch.zeros(4, cfg.text_in_channels), 0.5, 0.5)
+    assert model.plan(pack_branches([branch], cfg)).attention == "flash"
+    with pytest.raises(ValueError, match="attention must be one of"):
+        Magi2Transformer(cfg, attention="auto")
+
+
+def test_the_flash_path_runs_in_the_model(monkeypatch):
+    """With the flash backends stood in for by the math definition (CPU), a forward of
+    ``attention="flash"`` goes through `flash_segment_attention` in every layer and agrees
+    with the default path."""
+    from headmoe.layers import flash_attention as fa
+    from headmoe.models.magi2 import Magi2Transformer
+    from headmoe.models.magi2.packing import BranchInput
+
+    calls = []
+    real = fa.flash_segment_attention
+
+    def stand_in(qkv, segments, sinks, scale):
+        calls.append(len(segments))
+        return real(qkv, segments, sinks, scale, backend=fa.math_backend)
+
+    cfg = get_config("tiny")
+    g = torch.Generator().manual_seed(0)
+    outs = {}
+    for path in ("triton", "flash"):
+        model = Magi2Transformer(cfg, attention=path)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+        branch = BranchInput(torch.randn(2, 2, 2, cfg.video_in_channels, generator=g),
+                             torch.randn(3, cfg.audio_in_channels, generator=g),
+                             torch.randn(4, cfg.text_in_channels, generator=g), 0.5, 0.5)
+        g.manual_seed(0)
+        monkeypatch.setattr(fa, "flash_supported", lambda q, on=path == "flash": on)
+        monkeypatch.setattr(fa, "flash_segment_attention", stand_in)
+        outs[path] = model([branch])[0]
+    assert len(calls) == cfg.num_layers
+    assert torch.allclose(outs["flash"].video, outs["triton"].video, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(outs["triton"].video, torch.zeros_like(outs["triton"].video))
 
 
 def _counting(monkeypatch, module, name):

@@ -542,11 +542,14 @@ def _rewrite_streamed_tensor(shard) -> None:
         f.write(b"\x7f" * 4096)
 
 
-def test_offload_job_fails_on_a_changed_checkpoint_and_the_server_lives(tmp_path):
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.multirank)])
+def test_offload_job_fails_on_a_changed_checkpoint_and_the_server_lives(nproc, tmp_path):
     """A shard rewritten in place during a streamed job fails that job with one line naming
     the file (no video from two versions of the weights); with another shard truncated in
     place (a mapping would raise SIGBUS) the next job fails the same way; the server
-    answers throughout."""
+    answers throughout. With 2 ranks every rank stops at the layer where one saw the change
+    (`headmoe.pipeline.stop.LayerGate`), far inside the collective timeout (`--timeout 60`),
+    and the server goes on with both ranks."""
     import os
     import shutil
 
@@ -555,13 +558,17 @@ def test_offload_job_fails_on_a_changed_checkpoint_and_the_server_lives(tmp_path
     rel = tmp_path / "rel"
     shutil.copytree(release.tiny_release(tmp_path / "cache"), rel)  # copies: edited below
     shards = sorted((rel / release.PREVIEW_DIR).glob("model-*.safetensors"))
-    srv = Server(tmp_path, tmp_path / "cache", "--model", str(rel), "--offload-layers")
+    layout = ["--nproc", "2", "--ulysses-degree", "2"] if nproc == 2 else []
+    srv = Server(tmp_path, tmp_path / "cache", "--model", str(rel), "--offload-layers",
+                 *layout)
     try:
         with srv.client() as c:
             job = c.post("/v1/videos", json={**REQUEST, "num_inference_steps": 60}).json()
             wait_for(c, job["id"], lambda j: j["steps_completed"] >= 1 or finished(j))
             _rewrite_streamed_tensor(shards[-1])
+            t0 = time.monotonic()
             done = wait_for(c, job["id"], finished)
+            assert time.monotonic() - t0 < 30, srv.log()  # not the 60 s collective timeout
             assert done["status"] == "failed", done
             msg = done["error"]["message"]
             assert f"checkpoint file '{shards[-1].name}' changed" in msg, msg
@@ -574,5 +581,6 @@ def test_offload_job_fails_on_a_changed_checkpoint_and_the_server_lives(tmp_path
             assert done["status"] == "failed", done
             assert "changed after headmoe opened it" in done["error"]["message"], done
             assert c.get("/health").status_code == 200 and srv.proc.poll() is None
+            assert nproc == 1 or len(srv.worker_pids()) == 2, srv.log()
     finally:
         srv.stop()

@@ -45,3 +45,22 @@ def test_max_time_over_http_is_422_naming_the_estimate(tiny_cache, tmp_path):
         admit_body(VideoCreate(prompt="a fox", num_inference_steps=1000), spec)
     assert exc.value.status == 422 and exc.value.param.startswith("num_inference_steps")
     assert "estimated" in exc.value.message and "max_time=5 s" in exc.value.message
+
+
+def test_max_time_over_http_uses_a_measured_step(tiny_cache, tmp_path):
+    """Once a step of the request's cost was measured (a finished job records it), the
+    estimate is the measured one and the 422 says so."""
+    from headmoe.planner.time import FLOP_RATE, MEASURED, record_steps
+
+    spec = _serve_spec(tiny_cache, tmp_path, "--max-time", "5")
+    spec = dataclasses.replace(spec, deployment=dataclasses.replace(
+        spec.deployment, step_cache=str(tmp_path / "step_times.json")))
+    first = admit_body(VideoCreate(prompt="a fox", num_inference_steps=2), spec)
+    assert first.time.source == FLOP_RATE and first.time.seconds < 5
+    record_steps(spec.deployment.step_cache, first.time.key, [9.0, 4.0, 4.0])
+    with pytest.raises(RequestError) as exc:
+        admit_body(VideoCreate(prompt="a fox", num_inference_steps=2), spec)
+    assert exc.value.status == 422 and "estimated 8 s (measured steps)" in exc.value.message, exc.value
+    other = admit_body(VideoCreate(prompt="a fox", num_inference_steps=2, size="64x64"), spec)
+    assert other.time.source == FLOP_RATE  # another size: another cost
+    assert first.time.source != MEASURED

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import uuid
+from dataclasses import replace
 
 import pytest
 
@@ -16,7 +17,7 @@ from headmoe.errors import RuntimeFault, UserError
 from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
-from headmoe.serve.state import Job
+from headmoe.serve.state import Job, JobStore
 from headmoe.serve.store import (
     APPLICATION_ID,
     DB_NAME,
@@ -264,3 +265,62 @@ def test_a_state_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "state").write_text("x")
     with pytest.raises(UserError, match="its state dir .*state is not a folder"):
         JobDatabase(tmp_path / "state")
+
+
+def _status(db, job):
+    return db.get(job.id).status
+
+
+def test_the_store_writes_every_change_through(tmp_path):
+    """`JobStore` with a database: each method's change is in the row before it returns."""
+    db = JobDatabase(tmp_path / "state")
+    store = JobStore(tmp_path / "out", 4, db)
+    run, waits, gone = (store.submit(GenerateRequest(prompt=p)) for p in ("a", "b", "c"))
+    assert [r.id for r in db.jobs("queued")] == [run.id, waits.id, gone.id]
+    assert store.next_job(0.1) is run and _status(db, run) == "in_progress"
+    store.record_step(run, 1, 0.5)
+    assert db.get(run.id).steps_done == 1
+    store.cancel(gone)
+    assert (_status(db, gone), db.get(gone.id).error) == ("cancelled", "cancelled by request")
+    with pytest.raises(RuntimeFault, match="not in place"):  # the mp4 comes first
+        store.finish(run, "completed", None, {"video_sha256": "v" * 64})
+    store.output_dir.mkdir()
+    store.output_path(run.id).write_bytes(b"mp4")
+    store.finish(run, "completed", None, {"video_sha256": "v" * 64})
+    row = db.get(run.id)
+    assert (row.status, row.file, row.video_sha256) == \
+        ("completed", str(store.output_path(run.id)), "v" * 64)
+    assert store.next_job(0.1) is waits
+    store.cancel(waits)
+    assert db.get(waits.id).cancel_requested
+    store.finish(waits, "failed", "rank 1: ValueError: x", None)
+    assert (_status(db, waits), db.get(waits.id).error) == ("failed", "rank 1: ValueError: x")
+    store.forget(run)
+    assert db.get(run.id) is None and not store.output_path(run.id).exists()
+    db.close()
+
+
+def test_restore_requeues_in_order_and_fails_a_job_that_is_refused_now(tmp_path):
+    db = JobDatabase(tmp_path / "state")
+    first = JobStore(tmp_path / "out", 8, db)
+    jobs = [first.submit(GenerateRequest(prompt=p)) for p in ("kept", "refused", "later")]
+
+    def readmit(job):
+        if job.request.prompt == "refused":
+            raise ValueError("height=4096 ... more than the 1.00 GiB limit")
+        return replace(job, request=replace(job.request, num_inference_steps=3),
+                       admission={"recipe": "other"})
+
+    store = JobStore(tmp_path / "out", 1, db)  # restored jobs may go past max_queue
+    queued = store.restore([r.to_job() for r in db.jobs()], readmit)
+    assert [j.id for j in queued] == [jobs[0].id, jobs[2].id]
+    assert [j.id for j in store.jobs()] == [j.id for j in jobs]
+    refused = store.get(jobs[1].id)
+    assert (refused.status, refused.error) == ("failed", "height=4096 ... more than the "
+                                                         "1.00 GiB limit")
+    assert refused.done.is_set() and _status(db, refused) == "failed"
+    row = db.get(jobs[0].id)  # the new admission is stored
+    assert (row.request["num_inference_steps"], row.admission, row.total_steps) == \
+        (3, {"recipe": "other"}, 3)
+    assert store.next_job(0.1).id == jobs[0].id and store.next_job(0.1).id == jobs[2].id
+    db.close()

@@ -70,7 +70,8 @@ def check_args(args: argparse.Namespace) -> None:
         _utf8(args.negative_prompt, "--negative-prompt")
 
 
-def _output_files(output: Path, dp_size: int) -> list[Path]:
+def output_files(output: Path, dp_size: int) -> list[Path]:
+    """The files a run with output ``output`` writes: each DP group's mp4 and sidecar."""
     from headmoe.pipeline.job import output_path
 
     mp4s = [output_path(output, k, dp_size) for k in range(dp_size)]
@@ -91,7 +92,7 @@ def check_output(output: Path, overwrite: bool, dp_size: int) -> None:
     except OSError as e:
         raise UserError(f"--output {str(output)!r}: folder {str(parent)!r} is not writable "
                         f"({e.strerror}), pick a writable folder") from None
-    for f in _output_files(output, dp_size):
+    for f in output_files(output, dp_size):
         if f.is_dir():
             raise UserError(f"--output {str(output)!r}: {str(f)!r} is a folder, "
                             "pick a file path ending in .mp4")

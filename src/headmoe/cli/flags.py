@@ -19,6 +19,7 @@ from typing import Any
 from headmoe.admission import INPUT_FIELDS
 from headmoe.config import MOE_EXCHANGES, ParallelConfig
 from headmoe.deployment import DeploymentOptions
+from headmoe.layers.flash_attention import ATTENTION_CHOICES, PROOF_FILE
 from headmoe.models.streaming import DEFAULT_SLOTS
 from headmoe.moe.formats import EXPERT_FORMATS
 from headmoe.pipeline.recipe import RELEASED, RESOLUTIONS, TINY
@@ -106,6 +107,12 @@ FLAGS: tuple[Flag, ...] = (
         "error); quantized on load from a bf16 release (each rank its own heads, one tensor at "
         "a time), or read from a 'headmoe quantize' folder (default: the checkpoint's own "
         "format)")}),
+    Flag("attention", OPTIONS, {"choices": ATTENTION_CHOICES, "default": "auto", "help": (
+        "attention kernel on CUDA ranks: triton (headmoe's sink kernel), flash (torch's "
+        "FlashAttention-2 with the sink applied from its log-sum-exp), auto: flash once "
+        f"benchmarks/gpu_check.py has recorded its invariance for this GPU and torch/CUDA/"
+        f"cuDNN in <cache-dir>/{PROOF_FILE}, else triton (default: auto; CPU ranks run the "
+        "torch definition, and refuse flash)")}),
     Flag("cache_dir", OPTIONS, {"default": "~/.cache/headmoe", "help": (
         "where the tiny release folder is written once (default: ~/.cache/headmoe)")}, named=False),
     # ---- the request (admission's input fields)
@@ -176,6 +183,11 @@ FLAGS: tuple[Flag, ...] = (
     # ---- generate's command-line flags
     Flag("prompt_file", COMMAND, {"default": None, "help": (
         "read the prompt from this UTF-8 file (instead of --prompt)")}, named=False),
+    Flag("samples", COMMAND, {"default": None, "metavar": "FILE", "help": (
+        "several requests on one model load: a JSON lines file, one request per line (the "
+        "request flags' fields as JSON keys, plus image and output); every line is admitted "
+        "before any runs; line N writes <output stem>.N.mp4 unless it gives output "
+        "(docs/guide.md, 'Several prompts')")}, named=False),
     Flag("image", COMMAND, {"default": None, "metavar": "PATH", "help": (
         "image-to-video: a PNG, JPEG or WebP file whose content becomes the first frame "
         "(release folders; the prompt gets the <Figure 1> marker)")}, named=False),
@@ -184,10 +196,16 @@ FLAGS: tuple[Flag, ...] = (
     Flag("no_progress", COMMAND, {"action": "store_true", "help": "no progress bar"}, named=False),
     Flag("overwrite", COMMAND, {"action": "store_true", "help": (
         "replace an existing --output file (default: refuse)")}, named=False),
+    # ---- serve's command-line flags
+    Flag("state_dir", COMMAND, {"default": None, "metavar": "DIR", "help": (
+        "the job database's folder (jobs.sqlite3): jobs survive a restart (docs/serving.md "
+        "section 5) (default: beside --output-dir, its name plus '-state')")}, named=False),
     Flag("check_weights", COMMAND, {"action": "store_true", "help": (
         "read every tensor of the transformer checkpoint (and of a release's text encoder "
         "and video and audio decoders) first and refuse NaN/Inf values")}, named=False),
 )
+#: the flags of serve alone (generate takes every other flag of `FLAGS`)
+SERVE_ONLY = ("state_dir",)
 #: dest -> its flag
 BY_DEST: dict[str, Flag] = {f.dest: f for f in FLAGS}
 #: the field a refusal names that no flag of its own sets, and the flag that sets it

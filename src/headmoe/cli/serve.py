@@ -26,8 +26,10 @@ from typing import Any
 from headmoe.admission import admit
 from headmoe.cli import checks, flags
 from headmoe.deployment import build_deployment
+from headmoe.distributed.launch import torchrun_env
 from headmoe.errors import Refusal, UserError
 from headmoe.serve.spec import ServeSpec
+from headmoe.serve.store import check_state_dir, default_state_dir
 
 #: a server's default ``--max-time``: a request estimated over an hour is refused (422)
 SERVE_MAX_TIME_S = 3600.0
@@ -44,7 +46,8 @@ def register(subparsers: Any) -> None:
     )
     flags.add(
         p, "model", "model_config", "cache_dir", "dtype", *flags.LAYOUT_FIELDS,
-        "offload_layers", "resident_layers", "expert_format", "nproc", "timeout",
+        "offload_layers", "resident_layers", "expert_format", "attention", "nproc",
+        "timeout",
         model={"help": "'tiny' (the default), a release folder or a checkpoint path"},
         model_config={"help": "transformer configuration: a preset or a JSON file (as "
                       "generate)"},
@@ -66,6 +69,7 @@ def register(subparsers: Any) -> None:
                    help="queued jobs before 429 (default: 16)")
     p.add_argument("--output-dir", default="headmoe-videos",
                    help="where <id>.mp4/.json go (default: headmoe-videos)")
+    flags.add(p, "state_dir")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets the current job run before cancelling it "
                    "(default: 30)")
@@ -113,6 +117,11 @@ def build_spec(args: argparse.Namespace) -> tuple[ServeSpec, int]:
     if args.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size must be 1 for serve, got {args.data_parallel_size}")
     output_dir = _check_output_dir(args.output_dir)
+    state_dir = str(default_state_dir(output_dir) if args.state_dir is None
+                    else os.path.abspath(os.path.expanduser(args.state_dir)))
+    env = torchrun_env()
+    if env is None or env.rank == 0:  # a corrupt, foreign or held database: refused first
+        check_state_dir(state_dir, output_dir)
     _check_host(args.host)
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
@@ -134,7 +143,8 @@ def build_spec(args: argparse.Namespace) -> tuple[ServeSpec, int]:
         kind = UserError if isinstance(exc, UserError) else ValueError
         raise kind(flags.as_flags(str(exc))) from None
     checks.print_admitted(admitted.notes, dep)
-    spec = ServeSpec(deployment=dep, output_dir=output_dir, host=args.host, port=args.port,
+    spec = ServeSpec(deployment=dep, output_dir=output_dir, state_dir=state_dir,
+                     host=args.host, port=args.port,
                      api_key=args.api_key, max_queue=args.max_queue,
                      drain_timeout_s=args.drain_timeout, log_level=args.log_level)
     return spec, dep.parallel.world_size
@@ -169,8 +179,6 @@ def _port_free(host: str, port: int) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``headmoe serve``; returns the exit code."""
-    from headmoe.distributed.launch import torchrun_env
-
     try:
         spec, world = build_spec(args)
     except ValueError as exc:

@@ -69,6 +69,9 @@ POLL_S = 0.1
 KILLED = "killed by signal"
 #: how a rank that names a hung peer reads (`headmoe.distributed.watchdog`)
 HUNG_PEER = "stopped responding"
+#: how a rank that stopped with its peers for another rank's failure reads
+#: (`headmoe.pipeline.stop.StopAtLayer`; `failure_order` puts it last)
+PEER_STOPPED = "stopped with every rank"
 #: prctl option: the signal a process receives when its parent dies (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
 #: the loopback address the launcher's store listens on
@@ -131,13 +134,15 @@ def failure_order(failures: Mapping[int, str],
                   times: Mapping[int, float] | None = None) -> list[int]:
     """The failed ranks, the root cause first: a rank killed by a signal (``KILLED`` in its
     text), then one naming a hung peer (``HUNG_PEER``), then the earliest recorded failure
-    (``times``: rank -> when, where known), then the lowest rank; the others mostly report
-    the collective the first one broke. The one home of "who failed first"."""
+    (``times``: rank -> when, where known), then the lowest rank; a rank that only stopped
+    with the others (``PEER_STOPPED``) comes last; the others mostly report the collective
+    the first one broke. The one home of "who failed first"."""
     times = times or {}
 
-    def cause(rank: int) -> tuple[bool, bool, float, int]:
+    def cause(rank: int) -> tuple[bool, bool, bool, float, int]:
         text = failures[rank]
-        return (KILLED not in text, HUNG_PEER not in text, times.get(rank, math.inf), rank)
+        return (PEER_STOPPED in text, KILLED not in text, HUNG_PEER not in text,
+                times.get(rank, math.inf), rank)
 
     return sorted(failures, key=cause)
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headmoe.layers import triton_attention, triton_runtime
+from headmoe.layers import flash_attention, triton_attention, triton_runtime
+from headmoe.layers.flash_attention import apply_sink
+
+__all__ = ["apply_sink", "segment_attention", "sink_attention"]
 
 
 def sink_attention(
@@ -43,28 +46,21 @@ def sink_attention(
     return out[0].transpose(0, 1).to(dtype)
 
 
-def apply_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The sink applied to attention computed without it, from its log-sum-exp:
-    `out * sigmoid(lse - sigma_h)` (= `exp(lse) / (exp(lse) + exp(sigma_h))`, the weight the
-    softmax leaves to the real keys once the sink key joins them).
-
-    out: `[L, h, D]` (any float dtype); lse: `[L, h]` fp32 natural-log sum-exp of the scaled
-    scores of each query row (what flash kernels return); sinks `[h]` fp32. Returns fp32
-    `[L, h, D]`. For a flash path that returns the LSE (issue 30); tested on CPU against
-    `sink_attention` (tests/layers/test_attention.py)."""
-    w = torch.sigmoid(lse.float() - sinks.float()[None, :])
-    return out.float() * w[:, :, None]
-
-
 def segment_attention(
-    qkv: torch.Tensor, segments: list[tuple[int, int]], sinks: torch.Tensor, scale: float
+    qkv: torch.Tensor, segments: list[tuple[int, int]], sinks: torch.Tensor, scale: float,
+    path: str = "triton",
 ) -> torch.Tensor:
     """Attention of each packed segment on its own.
 
     qkv: `[L, 3, h, D]` (q, k, v of every token of the packed sequence, in sequence order);
     segments: `(start, stop)` row ranges that cover `[0, L)` in order; sinks `[h]` fp32.
+    path: "triton" (`sink_attention` per segment: the Triton kernel on CUDA, the torch
+    definition on CPU) or "flash" (`headmoe.layers.flash_attention`, one varlen call with the
+    sink from the LSE, where `flash_supported`; otherwise the "triton" path).
     Returns `[L, h, D]` in qkv's dtype.
     """
+    if path == "flash" and flash_attention.flash_supported(qkv):
+        return flash_attention.flash_segment_attention(qkv, segments, sinks, scale)
     outs = [
         sink_attention(qkv[a:b, 0], qkv[a:b, 1], qkv[a:b, 2], sinks, scale)
         for a, b in segments

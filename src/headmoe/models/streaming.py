@@ -490,6 +490,15 @@ class LayerStreamer:
     def _post_hook(self, index: int) -> Callable[..., None]:
         return lambda module, args, output: self._release(index)
 
+    def ready(self, layer: nn.Module) -> None:
+        """Wait for the weights of ``layer`` (a streamed one; others: nothing) and bind them,
+        as its pre-hook does (which then finds them bound): a read's error
+        (`CheckpointChanged`, `OSError`) is raised here, before the layer's exchanges
+        (`headmoe.pipeline.stop.LayerGate` calls it so that every rank stops together)."""
+        index = self.index_of(layer)
+        if index is not None:
+            self._acquire(index)
+
     # ------------------------------------------------------------------ inspection
     @contextlib.contextmanager
     def use(self, index: int) -> Iterator[nn.Module]:

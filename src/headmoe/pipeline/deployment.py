@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from headmoe.config import ParallelConfig, is_number
+from headmoe.layers.flash_attention import ATTENTION_PATHS
 from headmoe.models.magi2 import Magi2Config
 from headmoe.models.refiner import Magi2RefinerConfig
 from headmoe.models.streaming import split_layers
@@ -98,12 +99,21 @@ class Deployment:
     """torch threads per rank on a CPU (`set_rank_threads`'s count; the time estimate)."""
     max_time_s: float | None = None
     """``--max-time``: refuse a request whose time estimate is over it (None: no check)."""
+    step_cache: str = ""
+    """The measured step times' file (`headmoe.planner.time.STEP_TIMES_FILE` under the
+    cache dir; "": the time estimate is the FLOP-rate one only)."""
     timeout_s: float = 300.0
     """Seconds any collective may wait (`check_timeout`)."""
+    attention: str = "triton"
+    """The MAGI-2 attention path the ranks run (`ATTENTION_PATHS`: the answer of
+    `headmoe.layers.flash_attention.resolve_attention` to ``--attention``)."""
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s)
         check_expert_format(self.expert_format)
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got "
+                             f"{self.attention!r}")
         if self.offload_layers:
             split_layers(self.model_config.num_layers, self.resident_layers)
         elif self.resident_layers:

@@ -24,13 +24,15 @@ Every rank of a request runs `run_job` with the same `GenerateJob`:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TypedDict, cast
+from typing import TypedDict, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -67,6 +69,7 @@ from headmoe.pipeline.refine import REFINER_FPS_FACTOR, RefinerStage, refine_sta
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.sampler import cfg_combine, make_sampler, released_schedule
 from headmoe.pipeline.seeding import seeded_generator
+from headmoe.pipeline.stop import LayerGate, streams_layers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,9 +188,36 @@ def run_job(ctx: ParallelContext, job: GenerateJob) -> JobResult:
     "sidecar", "step_times_s"}``; the hashes are those of the decoded uint8 frames
     ``[F, H, W, 3]`` and int16 audio ``[channels, samples]`` on the DP group's writer, None
     on other ranks. Bad inputs raise `ValueError` before any collective. Equivalent to
-    `run_request` over `build_components` (whose time counts in the sidecar's ``total_s``)."""
+    `run_request` over `build_components` (whose time counts in the sidecar's ``total_s``).
+
+    With streamed layers (`--offload-layers`) a rank whose layer read fails (the checkpoint
+    changed) stops every rank before that layer (`headmoe.pipeline.stop.LayerGate`)."""
     t_start = time.perf_counter()
-    return run_request(ctx, job, build_components(ctx, job), t_start=t_start)
+    parts = build_components(ctx, job)
+    gate = LayerGate(parts, ctx.device) if streams_layers(parts) else contextlib.nullcontext()
+    with gate:
+        return run_request(ctx, job, parts, t_start=t_start)
+
+
+def run_loaded(ctx: ParallelContext, jobs: Sequence[GenerateJob]) -> list[JobResult]:
+    """Several jobs on one model load (``generate --samples``; every rank calls it with the
+    same jobs, of one deployment and one dtype): the components built once from the first
+    job, with the first refiner stage any job has (so the refiner loads when one runs it),
+    then `run_request` for each job in order, counters reset before each; `run_job`'s
+    results, one per job. Each job's bytes are those of a `run_job` of it alone."""
+    t_start = time.perf_counter()
+    dtypes = {job.request.dtype for job in jobs}
+    if len(dtypes) != 1:
+        raise ValueError(f"jobs on one model load need one dtype, got {sorted(dtypes)}")
+    stage = next((job.refiner for job in jobs if job.refiner is not None), None)
+    parts = build_components(ctx, dataclasses.replace(jobs[0], refiner=stage))
+    gate = LayerGate(parts, ctx.device) if streams_layers(parts) else contextlib.nullcontext()
+    results = []
+    with gate:  # as `run_job`'s
+        for i, job in enumerate(jobs):
+            ctx.counters.reset()
+            results.append(run_request(ctx, job, parts, t_start=t_start if i == 0 else None))
+    return results
 
 
 def build_components(ctx: ParallelContext, job: GenerateJob) -> Components:
@@ -486,11 +516,25 @@ def write_outputs(out: Path, side: dict[str, object], frames: torch.Tensor, audi
 
 
 # ---------------------------------------------------------------------- rank entry points
+_T = TypeVar("_T")
+
+
 def launched_rank(job: GenerateJob) -> JobResult:
     """Entry point of a rank started by `launch_local` or torchrun: joins the world from
     the environment (Gloo on CPU, NCCL on GPU with device LOCAL_RANK; on CPU
     `set_rank_threads`: the available cores // LOCAL_WORLD_SIZE torch threads), with
     ``job.timeout_s`` bounding every collective, runs `run_job` and tears the groups down."""
+    return _launched(job, lambda ctx: run_job(ctx, job))
+
+
+def launched_samples(jobs: Sequence[GenerateJob]) -> list[JobResult]:
+    """`launched_rank` of several jobs on one model load (`run_loaded`)."""
+    return _launched(jobs[0], lambda ctx: run_loaded(ctx, jobs))
+
+
+def _launched(job: GenerateJob, run: Callable[[ParallelContext], _T]) -> _T:
+    """Join the world as `launched_rank` says (``job``'s layout and timeout), ``run`` it
+    (with the hung-peer heartbeat) and tear the groups down."""
     env = torchrun_env()
     if env is None:
         raise ValueError("launched_rank needs RANK, WORLD_SIZE and LOCAL_RANK (torchrun)")
@@ -500,10 +544,10 @@ def launched_rank(job: GenerateJob) -> JobResult:
     store = dist.distributed_c10d._get_default_store() if ctx.world_size > 1 else None
     try:
         if store is None:
-            return run_job(ctx, job)
+            return run(ctx)
         with Heartbeat(store, ctx.rank, ctx.world_size) as beat:
             try:
-                return run_job(ctx, job)
+                return run(ctx)
             except Exception as exc:  # a hung peer: name it (see headmoe.distributed.watchdog)
                 raise beat.explain(exc, job.timeout_s, job.request.num_inference_steps) from exc
     finally:

@@ -85,11 +85,13 @@ def magi2_components(ctx: ParallelContext, job: GenerateJob) -> Components:
     if job.offload_layers:  # the layers' weights stream from the checkpoint's files
         model, streamer = stream_layers(
             cfg, ctx, job.request.torch_dtype, job.checkpoint,
-            resident_layers=job.resident_layers, timeout_s=job.timeout_s, experts=experts)
+            resident_layers=job.resident_layers, timeout_s=job.timeout_s, experts=experts,
+            attention=job.deployment.attention)
         model.streamer = streamer  # lives (and streams) as long as the model
     else:
         with torch.device(ctx.device):  # allocate the weights where they run, not on the host
-            model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype, experts=experts)
+            model = Magi2Transformer(cfg, ctx, dtype=job.request.torch_dtype, experts=experts,
+                                     attention=job.deployment.attention)
         load_checkpoint(model, job.checkpoint)
     model.eval()
     if job.check_layers:

@@ -7,6 +7,12 @@ while holding it.
 Job ids are server-generated, ``video_<32 hex digits>`` (`ID_PATTERN`); a job's files are
 ``<output_dir>/<id>.mp4`` and ``<id>.json``, and `JobStore.output_path` refuses anything
 that is not such an id, so no client string ever becomes a path.
+
+With a `headmoe.serve.store.JobDatabase` (``--state-dir``) every change of a job is
+written through to it inside the method that makes it, under the store's lock, before the
+change is visible in memory: submission, start, progress, a cancel request, the end
+(completed only once its mp4 is in place: `finish` comes after the rename) and `forget`.
+`restore` fills a restarted server's store from the database (`recover`).
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from headmoe.pipeline.request import GenerateRequest
 
@@ -76,13 +83,31 @@ class Job:
         return self.request.num_inference_steps + (self.refiner.steps if self.refiner else 0)
 
 
+class JobLog(Protocol):
+    """Where `JobStore` writes every change of a job through to: the methods of
+    `headmoe.serve.store.JobDatabase` (which imports this module, hence a protocol)."""
+
+    def add(self, job: Job) -> None: ...
+    def readmit(self, job: Job) -> None: ...
+    def start(self, job_id: str, replica: int, started_at: float | None = None) -> None: ...
+    def progress(self, job_id: str, steps_done: int) -> None: ...
+    def request_cancel(self, job_id: str) -> None: ...
+    def complete(self, job_id: str, file: Path, sidecar: dict[str, Any],
+                 completed_at: int | None = None) -> None: ...
+    def end(self, job_id: str, status: str, error: str,
+            completed_at: int | None = None) -> None: ...
+    def delete(self, job_id: str) -> None: ...
+
+
 class JobStore:
     """Jobs by id (insertion order), the queue of queued ids (at most ``max_queue``), the
-    draining flag and the counters behind ``/metrics``."""
+    draining flag and the counters behind ``/metrics``; ``db`` (optional) the database
+    every change is written through to (module docstring)."""
 
-    def __init__(self, output_dir: str | Path, max_queue: int):
+    def __init__(self, output_dir: str | Path, max_queue: int, db: JobLog | None = None):
         self.output_dir = Path(output_dir).resolve()
         self.max_queue = max_queue
+        self.db = db
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._jobs: dict[str, Job] = {}
@@ -112,6 +137,8 @@ class JobStore:
                 raise QueueFull(f"the queue is full ({self.max_queue} jobs waiting)")
             job = Job(f"video_{uuid.uuid4().hex}", request, int(time.time()),
                       admission=admission or {}, image=image, refiner=refiner)
+            if self.db is not None:
+                self.db.add(job)
             self._jobs[job.id] = job
             self._queue.append(job.id)
             self._finished["queued"] += 1
@@ -135,12 +162,16 @@ class JobStore:
             if job.status == "queued":
                 self._queue.remove(job.id)
                 self._end(job, "cancelled", "cancelled by request")
-            elif job.status == "in_progress":
+            elif job.status == "in_progress" and not job.cancel_requested:
+                if self.db is not None:
+                    self.db.request_cancel(job.id)
                 job.cancel_requested = True
 
     def forget(self, job: Job) -> None:
-        """Drop a finished job and delete its files."""
+        """Drop a finished job (its row first) and delete its files."""
         with self._lock:
+            if self.db is not None and job.id in self._jobs:
+                self.db.delete(job.id)
             self._jobs.pop(job.id, None)
         try:
             mp4 = self.output_path(job.id)
@@ -171,13 +202,19 @@ class JobStore:
                 self._wake.wait(timeout)
             if not self._queue or self.draining:
                 return None
-            job = self._jobs[self._queue.popleft()]
-            job.status, job.started_at = "in_progress", time.time()
+            job = self._jobs[self._queue[0]]
+            started = time.time()
+            if self.db is not None:
+                self.db.start(job.id, replica=0, started_at=started)
+            self._queue.popleft()
+            job.status, job.started_at = "in_progress", started
             return job
 
     def record_step(self, job: Job, done: int, seconds: float) -> bool:
         """Note step ``done`` of ``job`` (``seconds`` long); True if it must stop now."""
         with self._lock:
+            if self.db is not None:
+                self.db.progress(job.id, done)
             job.steps_done = done
             self._step_sum += seconds
             slot = next((i for i, b in enumerate(STEP_BUCKETS) if seconds <= b), len(STEP_BUCKETS))
@@ -200,9 +237,44 @@ class JobStore:
             return [j for j in self._jobs.values() if j.status == "in_progress"]
 
     def _end(self, job: Job, status: str, error: str | None) -> None:
-        job.status, job.error, job.completed_at = status, error, int(time.time())
+        now = int(time.time())
+        if self.db is not None and status == "completed":
+            self.db.complete(job.id, self.output_path(job.id), job.result or {}, now)
+        elif self.db is not None:
+            self.db.end(job.id, status, error or status, now)
+        job.status, job.error, job.completed_at = status, error, now
         self._finished[status] += 1
         job.done.set()
+
+    def restore(self, jobs: list[Job], readmit: Callable[[Job], Job]) -> list[Job]:
+        """Fill an empty store with a restarted server's jobs (its database's rows as
+        `Job` objects in submission order, after `JobDatabase.recover`): every job listed;
+        each queued one passed to
+        ``readmit(job)`` (a `Job` -> the job admitted again, or `ValueError` whose text
+        fails it) and queued again in its order (past ``max_queue``: they were accepted
+        before). Returns the jobs queued again."""
+        queued = []
+        for job in jobs:
+            if job.status == "queued":
+                try:
+                    job = readmit(job)
+                except ValueError as exc:
+                    if self.db is not None:
+                        self.db.end(job.id, "failed", str(exc))
+                    job.status, job.error = "failed", str(exc)
+                    job.completed_at = int(time.time())
+                    job.done.set()
+                else:
+                    if self.db is not None:
+                        self.db.readmit(job)
+                    queued.append(job)
+            with self._lock:
+                self._jobs[job.id] = job
+        with self._lock:
+            self._queue.extend(j.id for j in queued)
+            self._finished["queued"] += len(queued)
+            self._wake.notify_all()
+        return queued
 
     # ------------------------------------------------------------------ views
     def view(self, job: Job) -> dict[str, Any]:

@@ -322,6 +322,15 @@ class JobDatabase:
                  json.dumps(job.admission), image, pixels, refiner, job.steps_done,
                  job.total_steps, int(job.cancel_requested), job.created_at))
 
+    def readmit(self, job: Job) -> None:
+        """A queued ``job`` of a restarted server, admitted again: its request, admission
+        and refiner stage as the new admission made them (the served model or budget may
+        have changed)."""
+        refiner = None if job.refiner is None else json.dumps(job.refiner.to_dict())
+        self._move(job.id, ("queued",), request=json.dumps(job.request.to_dict()),
+                   admission=json.dumps(job.admission), refiner=refiner,
+                   total_steps=job.total_steps)
+
     def start(self, job_id: str, replica: int, started_at: float | None = None) -> None:
         """A queued job runs now, on data-parallel replica ``replica``."""
         self._move(job_id, ("queued",), status="in_progress", replica=replica,
@@ -420,3 +429,29 @@ class JobDatabase:
             requeue=[r for r in by_id.values() if r.status == "queued"],
             completed=[r for r in by_id.values() if r.status == "completed"],
             interrupted=[by_id[i] for i in running], lost=[by_id[i] for i in gone])
+
+
+def check_output_dir(db: JobDatabase, output_dir: str | os.PathLike[str]) -> None:
+    """Refuse (`UserError`, one line naming both folders) a database whose completed jobs'
+    files are in another folder than ``output_dir``: a server serves the files of its
+    ``--output-dir`` only, so a state dir goes with the output dir it was made with."""
+    out = Path(os.path.abspath(os.fspath(output_dir))).resolve()
+    for row in db.jobs("completed"):
+        folder = Path(row.file or "").parent.resolve()
+        if folder != out:
+            raise _refuse(db.path, f"its completed jobs' files are in {folder}, not in "
+                                   f"--output-dir {out}", "give that --output-dir")
+
+
+def check_state_dir(state_dir: str | os.PathLike[str],
+                    output_dir: str | os.PathLike[str]) -> Path:
+    """Open the database of ``state_dir`` and let it go again, before any rank starts: a
+    corrupt or foreign file, a state dir another server holds or one made with another
+    ``--output-dir`` raises `UserError` naming it (`JobDatabase`, `check_output_dir`);
+    a missing database is created. Returns the database's path."""
+    db = JobDatabase(state_dir)
+    try:
+        check_output_dir(db, output_dir)
+    finally:
+        db.close()
+    return db.path

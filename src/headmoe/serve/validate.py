@@ -19,7 +19,7 @@ the served model's recipe (`headmoe.pipeline.recipe`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -27,6 +27,7 @@ from headmoe.admission import GIVEN_BY_REQUEST, Admitted, admit
 from headmoe.errors import Refusal
 from headmoe.pipeline.request import show
 from headmoe.serve.spec import ServeSpec
+from headmoe.serve.state import Job
 
 
 class VideoCreate(BaseModel):
@@ -110,3 +111,26 @@ def admit_body(body: VideoCreate, spec: ServeSpec, image: bool = False) -> Admit
 def to_generate_request(body: VideoCreate, spec: ServeSpec):
     """The `GenerateRequest` of a parsed body under ``spec`` (`admit_body`)."""
     return admit_body(body, spec).request
+
+
+def readmit(job: Job, spec: ServeSpec) -> Job:
+    """A queued ``job`` of a restarted server admitted again on ``spec`` (it may serve
+    another model or budget): the fields its client gave (its admission's ``given``, and
+    the prompts, which ``given`` leaves out) through `admit_body`'s `admit`; the fields it
+    left out take this server's recipe. Raises `RequestError` (a `ValueError`) with the
+    refusal, also when its image was preprocessed for another long side than the request
+    now has."""
+    given = dict(job.admission.get("given", {}))
+    given["prompt"] = job.request.prompt
+    if job.admission.get("sources", {}).get("negative_prompt") == GIVEN_BY_REQUEST:
+        given["negative_prompt"] = job.request.negative_prompt
+    try:
+        admitted = admit(given, spec.deployment, GIVEN_BY_REQUEST, image=job.image is not None)
+    except Refusal as exc:
+        raise RequestError(exc.message, exc.field) from None
+    req = admitted.request
+    if job.image is not None and job.image.long_side != max(req.height, req.width):
+        raise RequestError(f"image: preprocessed for a long side of {job.image.long_side}, "
+                           f"but the request is now {req.width}x{req.height} on this server",
+                           "image")
+    return replace(job, request=req, admission=admitted.describe(), refiner=admitted.refiner)

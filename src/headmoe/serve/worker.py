@@ -11,7 +11,9 @@ Every rank runs `serve_rank`. Rank 0 also owns the `JobStore` and runs uvicorn i
   always far below the collective timeout and a dead peer is noticed within a tick);
 - ``{"op": "run", "id", "request", "admission", "image", "refiner"}``: every rank runs the request through `run_request`
   with the components built at start; after each step rank 0 broadcasts one flag (cancel
-  requested, or the drain bound passed) and every rank stops at that same step;
+  requested, or the drain bound passed) and every rank stops at that same step, and before
+  each transformer layer the ranks agree on a stop (`headmoe.pipeline.stop.LayerGate`: rank
+  0's cancel, or a rank whose streamed layer read failed) and stop before that same layer;
 - ``{"op": "stop"}``: drain finished; every rank leaves the loop and exits 0.
 
 After a request every rank's outcome is all-gathered: an exception on the ranks fails that
@@ -26,7 +28,6 @@ signals and follow rank 0.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -34,7 +35,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,14 @@ from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.job import Components, build_components, run_request
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.pipeline.stop import CANCEL, GO_ON, LayerGate, StopAtLayer
+from headmoe.planner.time import record_steps
 from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import ID_PATTERN, Job, JobStore, redact_paths
+from headmoe.serve.store import INTERRUPTED, JobDatabase, check_output_dir
+from headmoe.serve.validate import readmit
 
 
 class JobCancelled(Exception):
@@ -59,7 +63,7 @@ class Leader:
 
     def __init__(self, spec: ServeSpec, sock: socket.socket, *, watch_parent: bool = False):
         self.spec, self.sock = spec, sock
-        self.store = JobStore(spec.output_dir, spec.max_queue)
+        self.store = open_store(spec)
         self.drain_requested = False
         self.drain_deadline: float | None = None
         self.current: Job | None = None
@@ -71,7 +75,7 @@ class Leader:
     def on_signal(self, signum: int, frame: Any) -> None:
         # only flags: the handler runs in the main thread, maybe inside a store method
         # holding its lock; /health and POST read ``signalled`` at once, the drain bound
-        # counts from now, and the ranks see it at the next layer (`layer_checks`)
+        # counts from now, and the ranks see it at the next layer (`LayerGate`)
         self.store.signalled = True
         self.drain_requested = True
         if self.drain_deadline is None:
@@ -166,6 +170,33 @@ class Leader:
         else:
             side = json.loads(Path(result["sidecar"]).read_text())
             self.store.finish(job, "completed", None, side)
+            record_steps(self.spec.deployment.step_cache, job.admission.get("step_key") or "",
+                         side["step_times_s"]["max"])  # later estimates of this cost
+
+
+def open_store(spec: ServeSpec) -> JobStore:
+    """Rank 0's `JobStore`; with ``spec.state_dir`` over its `JobDatabase`, restored from
+    it (`JobDatabase.recover`, then `JobStore.restore` with every queued job admitted again
+    on this server: `readmit`). Runs before the model loads; `UserError` for a database
+    that cannot be used."""
+    if spec.state_dir is None:
+        return JobStore(spec.output_dir, spec.max_queue)
+    db = JobDatabase(spec.state_dir)
+    try:
+        check_output_dir(db, spec.output_dir)
+        recovery = db.recover()
+        store = JobStore(spec.output_dir, spec.max_queue, db)
+        store.restore([row.to_job() for row in db.jobs()],
+                      lambda job: readmit(job, spec))
+    except BaseException:
+        db.close()
+        raise
+    if recovery.interrupted or recovery.requeue or recovery.lost:
+        print(f"headmoe serve: {db.path}: {len(recovery.requeue)} queued job(s) queued "
+              f"again, {len(recovery.interrupted)} interrupted one(s) failed "
+              f"({INTERRUPTED!r}), {len(recovery.lost)} completed one(s) without their file "
+              "failed", file=sys.stderr, flush=True)
+    return store
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -205,18 +236,14 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
         if wire.broadcast_flag(stop, device=device):
             raise JobCancelled
 
-    def on_layer() -> None:
-        if wire.broadcast_flag(leader.stop_now() if leader is not None else False,
-                               device=device):
-            raise JobCancelled
-
     ctx.counters.reset()
     result, outcome = None, {"rank": ctx.rank, "status": "completed", "message": None}
+    local = (lambda: CANCEL if leader.stop_now() else GO_ON) if leader else (lambda: GO_ON)
     try:
-        with layer_checks(parts, on_layer):
+        with LayerGate(parts, device, local):
             result = run_request(ctx, job, parts, on_step=on_step)
-    except JobCancelled:
-        outcome["status"] = "cancelled"
+    except (JobCancelled, StopAtLayer):  # at the same layer on every rank; a rank whose
+        outcome["status"] = "cancelled"  # read failed raised its own error: the job's
     except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
         outcome.update(status="failed", message=f"{type(exc).__name__}: {exc}")
         print(f"headmoe serve: rank {ctx.rank}: {job_id} failed: {outcome['message']}",
@@ -224,27 +251,6 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
     outcomes = wire.all_gather_json(outcome, device=device)
     if leader is not None:
         leader.finish(outcomes, result)
-
-
-@contextlib.contextmanager
-def layer_checks(parts: Components, check: Callable[[], None]) -> Iterator[None]:
-    """Call ``check`` before every transformer layer of the job (the preview's layers, each
-    refiner layer's attention) while the block runs: every rank calls it at the same layer
-    of the same forward, so one broadcast there stops them all at that layer, whatever a
-    step costs (a cancel or the drain bound acts within a layer, not a step)."""
-    layers = []
-    model = getattr(parts.denoiser, "model", None)
-    if model is not None and hasattr(model, "block"):
-        layers += list(model.block.layers)
-    refiner = getattr(parts.refiner, "model", None)
-    if refiner is not None:
-        layers += [layer.attention for layer in refiner.block.layers]
-    handles = [m.register_forward_pre_hook(lambda *_: check()) for m in layers]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
@@ -318,6 +324,8 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
     finally:
         if leader is not None:
             leader.stop_http()
+            if leader.store.db is not None:
+                leader.store.db.close()
         ctx.destroy()
     if leader is not None:
         print("headmoe serve: stopped", file=sys.stderr, flush=True)

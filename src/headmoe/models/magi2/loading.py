@@ -420,6 +420,7 @@ def stream_layers(
     config: Magi2Config, context: ParallelContext, dtype: torch.dtype, path: str | os.PathLike[str], *,
     resident_layers: int = 0, slots: int = DEFAULT_SLOTS, timeout_s: float = 300.0,
     experts: type[ExpertWeights] = Bf16Experts,
+    attention: str = "triton",
 ) -> tuple[Magi2Transformer, LayerStreamer]:
     """A `Magi2Transformer` on `context.device` whose layers after the first
     `resident_layers` stream from `path` through `slots` slot buffers (`headmoe.models.
@@ -436,7 +437,8 @@ def stream_layers(
                          f"{format_name(experts())!r} needs a checkpoint stored in that format "
                          "('headmoe quantize' writes an FP8 release folder)")
     with torch.device("meta"):
-        model = Magi2Transformer(config, context, dtype=dtype, experts=experts)
+        model = Magi2Transformer(config, context, dtype=dtype, experts=experts,
+                                 attention=attention)
     files = {report.prefix + n: f for n, (f, _, _) in headers.items()}
     return model, attach_streamer(
         model, model.block.layers, streamed, lambda skip: load_checkpoint(model, path, skip=skip),
