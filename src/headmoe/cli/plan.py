@@ -21,6 +21,7 @@ from headmoe.cli.errors import UserError, run_guarded
 from headmoe.config import GIB, MIB, ParallelConfig
 from headmoe.deployment import MAX_BUDGET_GIB, build_deployment, stream_of
 from headmoe.models.magi2.config import PRESETS
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT
 from headmoe.pipeline.deployment import UNCHECKED, Deployment
 from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
@@ -280,8 +281,8 @@ PRESET_FOLDERS = {"magi2-preview": "/path/to/MAGI-2-preview"}
 
 def run_command(args: argparse.Namespace, plan: LayoutPlan, offload: bool) -> list[str]:
     """The command line that runs ``plan`` as `plan` sized it (argv): the layout, the model,
-    the request's size and frames, the dtype, the components' and layers' placement and the
-    refiner stage; `--nproc` on one node, torchrun over ``NODE_RANKS`` (or
+    the request's size and frames, the dtype, the experts' format, the components' and
+    layers' placement and the refiner stage; `--nproc` on one node, torchrun over ``NODE_RANKS`` (or
     ``--ranks-per-node``) ranks per node for a larger world."""
     node = args.ranks_per_node or min(args.world_size, NODE_RANKS)
     layout = layout_argv(plan)
@@ -300,6 +301,8 @@ def run_command(args: argparse.Namespace, plan: LayoutPlan, offload: bool) -> li
     argv = [*head, "generate", "--model", model, "--prompt", PLACEHOLDER_PROMPT, *size,
             "--num-frames", str(shape["num_frames"]), "--fps", f"{shape['fps']:g}",
             "--dtype", args.dtype, *layout]
+    if plan.expert_format != DEFAULT_EXPERT_FORMAT:
+        argv += ["--expert-format", plan.expert_format]
     for flag in ("refiner_height", "refiner_width", "refiner_steps"):
         if getattr(args, flag) is not None:
             argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -396,7 +399,8 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
     components over the budget (``over``: the command has --offload for it)."""
     image = getattr(args, "image", False)
     print(
-        f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
+        f"model {model.name}, world {args.world_size}, dtype {args.dtype}, "
+        f"{plans[0].expert_format} routed experts; per branch "
         f"{request.video_tokens} video + {request.audio_tokens} audio + "
         f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
         f"components (device bytes when loaded): text encoder "
@@ -461,7 +465,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     memory = dep.budget.limit
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
-                               parts, args.ranks_per_node, dep.offload, stream, args.h2d_gbps)
+                               parts, args.ranks_per_node, dep.offload, stream, args.h2d_gbps,
+                               dep.expert_format)
     refiner_data, refiner_text = refiner_section(args, request, plans, admitted.refiner,
                                                  dep.refiner_config)
     best = next(p for p in plans if p.recommended)
@@ -470,6 +475,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "model": model.name, "world_size": args.world_size, "dtype": args.dtype,
+            "expert_format": dep.expert_format,
             "request": request.to_dict(),
             "components": {
                 "text_encoder_bytes": parts.text_encoder,
