@@ -1,6 +1,6 @@
 """Which layouts of MAGI-2 Preview fit a GPU budget, per expert format (docs/fp8.md).
 
-    python benchmarks/plan_fit.py [--worlds 1:139,2:139,4:79] [--resolutions 272p,540p]
+    python benchmarks/plan_fit.py [--worlds 1:131.3,2:131.3,4:74.5] [--resolutions 272p,540p]
 
 For each world (ranks : GiB per GPU), resolution and format (bf16, fp8) it lists the layouts
 `headmoe plan` enumerates whose busiest rank fits, by admission's own estimate
@@ -62,8 +62,8 @@ def fits(world: int, budget_gib: float, resolution: str, fmt: str) -> list[tuple
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worlds", default="1:139,2:139,4:79",
-                   help="ranks:GiB per GPU, comma-separated (default: 1 and 2 H200, 4 H100)")
+    p.add_argument("--worlds", default="1:131.3,2:131.3,4:74.5",
+                   help="ranks:GiB per GPU, comma-separated (default: 1 and 2 x 141 GB, 4 x 80 GB)")
     p.add_argument("--resolutions", default="272p,540p")
     args = p.parse_args()
     for item in args.worlds.split(","):

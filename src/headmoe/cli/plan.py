@@ -26,9 +26,10 @@ from headmoe.pipeline.deployment import UNCHECKED, Deployment
 from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
-from headmoe.planner.memory import DEFAULT_H2D_GBPS
+from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings, estimate_memory
 from headmoe.planner.plan import LayoutPlan, plan_world
 from headmoe.planner.request import RequestShape
+from headmoe.release import audio_vae
 
 #: the largest world `plan` enumerates (its layouts grow with the divisors; 4096 ranks take
 #: seconds)
@@ -393,10 +394,11 @@ def format_stream_table(plans: list[LayoutPlan]) -> str:
 
 def print_text(args: argparse.Namespace, model: Any, request: RequestShape, parts: Any,
                plans: list[LayoutPlan], reason: str, streamed: bool, over: bool,
-               command: list[str]) -> None:
+               command: list[str], need: int = 0) -> None:
     """The plan as text: the request and components, the layouts table with the command
     that runs the recommendation, the streaming table (`--offload-layers`), and the note on
-    components over the budget (``over``: the command has --offload for it)."""
+    components over the budget (``over``: the command has --offload for it; ``need``: the
+    busiest rank's bytes then, `device_need`)."""
     image = getattr(args, "image", False)
     print(
         f"model {model.name}, world {args.world_size}, dtype {args.dtype}, "
@@ -420,12 +422,26 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
               "page cache of the checkpoint's streamed bytes the node's ranks read, "
               "once, plus each rank's pinned slots):\n")
         print(format_stream_table(plans))
-    best = next(p for p in plans if p.recommended)
     if over:
         print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
-              f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
+              f"needs {need / GIB:,.1f} GiB (weights, activations, workspace, decode and "
+              f"components), over --memory-gib "
               f"{args.memory_gib:g}: the command above has --offload (components on the host "
               "between uses).")
+
+
+def device_need(admitted: Admitted, dep: Deployment, plan: LayoutPlan,
+                stream: StreamSettings | None) -> int:
+    """Bytes the busiest rank of ``plan``'s layout needs with the components on the device:
+    generate's admission estimate for that layout (`estimate_memory`: weights, activations,
+    workspace, decode; the experts in ``dep.expert_format``) plus the text encoder and the
+    decoders (rank 0 holds both)."""
+    req = admitted.request
+    est = estimate_memory(dep.model_config, admitted.shape, plan.parallel, req.torch_dtype,
+                          (req.num_frames, req.height, req.width),
+                          req.audio_samples(audio_vae.OUTPUT_SAMPLE_RATE), stream=stream,
+                          experts=dep.expert_format)
+    return est.total + plan.text_encoder_bytes + plan.decoder_bytes
 
 
 def check_model_arg(args: argparse.Namespace) -> None:
@@ -470,7 +486,8 @@ def run(args: argparse.Namespace) -> int:
     refiner_data, refiner_text = refiner_section(args, request, plans, admitted.refiner,
                                                  dep.refiner_config)
     best = next(p for p in plans if p.recommended)
-    over = memory is not None and best.busiest_rank_bytes > memory and not args.offload
+    need = device_need(admitted, dep, best, stream)
+    over = memory is not None and need > memory and not args.offload
     command = run_command(args, best, args.offload or over)
     if args.json:
         print(json.dumps({
@@ -489,7 +506,8 @@ def run(args: argparse.Namespace) -> int:
             "recommendation": reason, "command": command, "command_line": command_text(command),
             "layouts": [p.to_dict() for p in plans], "refiner": refiner_data}, indent=2))
         return 0
-    print_text(args, model, request, parts, plans, reason, stream is not None, over, command)
+    print_text(args, model, request, parts, plans, reason, stream is not None, over, command,
+               need)
     if refiner_text:
         print("\n" + refiner_text)
     return 0
