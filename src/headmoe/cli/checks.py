@@ -18,6 +18,7 @@ from typing import Any
 from headmoe.errors import UserError
 from headmoe.files import listing
 from headmoe.models.magi2 import check_checkpoint
+from headmoe.moe.fp8 import FP8_DTYPE, fp8_nan
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.request import MAX_PROMPT_CHARS
 
@@ -139,6 +140,8 @@ def _nonfinite(t: Any) -> str | None:
 
     if not isinstance(t, torch.Tensor) or not t.is_floating_point():
         return None
+    if t.dtype == FP8_DTYPE:  # E4M3 has NaN bytes only, and torch no isfinite for it
+        return "NaN" if bool(fp8_nan(t).any()) else None
     if bool(torch.isfinite(t).all()):
         return None
     return "NaN" if bool(torch.isnan(t).any()) else "Inf"

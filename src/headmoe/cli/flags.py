@@ -103,8 +103,8 @@ FLAGS: tuple[Flag, ...] = (
         "routed experts' weights (95%% of MAGI-2 Preview's): bf16, the release's, or fp8, "
         "float8 E4M3 with an fp32 scale per expert and output channel (docs/fp8.md): 51%% of "
         "the expert bytes, each weight rounded to 4 significant bits (up to 2^-4 relative "
-        "error); quantized on load from a bf16 release (each rank its own heads, a layer at a "
-        "time), or read from a 'headmoe quantize' folder (default: the checkpoint's own "
+        "error); quantized on load from a bf16 release (each rank its own heads, one tensor at "
+        "a time), or read from a 'headmoe quantize' folder (default: the checkpoint's own "
         "format)")}),
     Flag("cache_dir", OPTIONS, {"default": "~/.cache/headmoe", "help": (
         "where the tiny release folder is written once (default: ~/.cache/headmoe)")}, named=False),

@@ -94,11 +94,17 @@ def check_fp8_weight(name: str, data: torch.Tensor, scale: torch.Tensor) -> None
                          f"{_describe(scale)}")  # fmt: skip
 
 
+def fp8_nan(data: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the E4M3 NaN bytes (`s1111111`; E4M3 has no Inf) of float8_e4m3fn
+    `data` (any shape); torch has no `isnan` for it."""
+    return (data.view(torch.uint8) & 0x7F) == 0x7F
+
+
 def check_fp8_bytes(name: str, data: torch.Tensor) -> None:
-    """ValueError naming `name`, the count and the first index of E4M3 NaN bytes (`s1111111`;
-    E4M3 has no Inf) in data (float8_e4m3fn): for FP8 tensors read from a file. `quantize`
-    never writes them; the kernels' bit widening (`triton_fp8_kernels`) assumes none."""
-    nan = (data.view(torch.uint8) & 0x7F) == 0x7F
+    """ValueError naming `name`, the count and the first index of E4M3 NaN bytes (`fp8_nan`)
+    in data (float8_e4m3fn): for FP8 tensors read from a file. `quantize` never writes
+    them; the kernels' bit widening (`triton_fp8_kernels`) assumes none."""
+    nan = fp8_nan(data)
     if bool(nan.any()):
         first = tuple(int(i) for i in nan.nonzero()[0])
         raise ValueError(f"{name}: {int(nan.sum())} NaN byte(s) in FP8 data, the first at "

@@ -5,7 +5,7 @@ experts' weights in FP8 E4M3 and one fp32 scale per (head, expert) and output ch
 Tensors (every one with the (head, expert) rows first, as the seam requires): `W_gate`,
 `W_up` `[rows, d, inner]` and `W_down` `[rows, inner, d]` float8_e4m3fn, and their scales
 `W_gate_scale`, `W_up_scale` `[rows, inner]` and `W_down_scale` `[rows, d]` fp32. The
-`_scale` names are this branch's proposal (headmoe's own FP8 release is not written yet).
+`_scale` names are those of headmoe's FP8 release folders (`headmoe quantize`).
 Computed by `headmoe.moe.fp8_experts.experts_fp8` (torch), or by the W8A16 kernels
 (`headmoe.moe.triton_fp8`) where triton runs on z's device.
 """

@@ -213,7 +213,8 @@ def check_checkpoint(
                          lambda headers: _first_mismatches(config, headers))
     stored = stored_format(found[1])
     headers, report = check_headers(checkpoint_spec(config, EXPERT_FORMATS[stored]), path,
-                                    param_dtype, f"{what} ({stored} experts)", found)
+                                    param_dtype, what if stored == "bf16" else f"{what} (FP8 experts)",
+                                    found)
     report.expert_format = stored
     return headers, report
 
@@ -241,7 +242,7 @@ def check_headers(
     unexpected = sorted(prefix + n for n in headers if n not in spec)
     if unexpected:
         problems.append(listing("unexpected tensors", unexpected))
-    bad_shape, bad_dtype = [], []
+    bad_shape, bad_dtype, bad_fp8 = [], [], []
     for name, (shape, dtype) in spec.items():
         if name not in headers:
             continue
@@ -252,8 +253,7 @@ def check_headers(
         elif stored not in FLOAT_DTYPES:
             bad_dtype.append(f"{prefix + name} expected {want}, found {stored}")
         elif FP8_DTYPE in (dtype, FLOAT_DTYPES[stored]) and FLOAT_DTYPES[stored] != dtype:
-            bad_dtype.append(f"{prefix + name} expected {want}, found {stored} (FP8 tensors "
-                             "are never cast)")
+            bad_fp8.append(f"{prefix + name} expected {want}, found {stored}")
         else:
             target = dtype if dtype in (torch.float32, FP8_DTYPE) or param_dtype is None \
                 else param_dtype
@@ -263,6 +263,8 @@ def check_headers(
         problems.append(listing("mis-shaped tensors", bad_shape))
     if bad_dtype:
         problems.append(listing("tensors of a non-float dtype", bad_dtype))
+    if bad_fp8:
+        problems.append(listing("tensors to or from FP8, which are never cast", bad_fp8))
     if problems:
         raise ValueError(f"checkpoint {path!r} does not match {what}: " + "; ".join(problems))
     return headers, report
@@ -429,9 +431,9 @@ def stream_layers(
     check_slots(slots)
     headers, report = check_checkpoint(config, path, dtype)
     if format_name(experts()) != report.expert_format:  # the streamer copies stored bytes
-        raise ValueError(f"offload_layers streams {path!r}'s stored "
-                         f"{STORED_NAMES[report.expert_format]} experts: expert_format="
-                         f"{format_name(experts())!r} needs a checkpoint in that format "
+        raise ValueError(f"offload_layers streams the stored bytes of {path!r}, whose "
+                         f"experts are {report.expert_format}: expert_format="
+                         f"{format_name(experts())!r} needs a checkpoint stored in that format "
                          "('headmoe quantize' writes an FP8 release folder)")
     with torch.device("meta"):
         model = Magi2Transformer(config, context, dtype=dtype, experts=experts)
