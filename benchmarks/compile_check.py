@@ -81,6 +81,16 @@ def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any]
             tile_group_ptr=_t(8, dtype=i32), groups=768),
             dict(F=F, PRECISION="tf32", N_BLOCKS=-(-D // MT.down_n), BLOCK_M=MT.block_m,
                  BLOCK_N=MT.down_n, BLOCK_K=MT.down_k), warps),
+        "expert_tile": ("moe.expert_tile_kernel", lambda: dict(
+            z_ptr=_t(8), src_ptr=_t(8, dtype=i64), tile_group_ptr=_t(8, dtype=i32),
+            tile_rows_ptr=_t(8, dtype=i32), wg_desc=_desc(2 * D, F, [MT.gate_k, MT.down_k]),
+            wu_desc=_desc(2 * D, F, [MT.gate_k, MT.down_k]),
+            wd_desc=_desc(2 * F, D, [MT.down_k, MT.down_n]),
+            y_desc=_desc(2 * MT.fused_m, D, [MT.fused_m, MT.down_n], f32), groups=768,
+            experts=E, stride_zt=3 * D, stride_zh=D),
+            dict(D=D, F=F, LIMIT=SWIGLU_LIMIT, ALPHA=SWIGLU_ALPHA, PRECISION="tf32",
+                 ROW_GATHER=True, N_BLOCKS=-(-D // MT.down_n), BLOCK_M=MT.fused_m,
+                 BLOCK_N=MT.down_n, BLOCK_F=MT.down_k, BLOCK_K=MT.gate_k), warps),
         "gate_up_fp8": _gate_up_fp8(True, warps),
         "gate_up_fp8_bits": _gate_up_fp8(False, warps),
         "down_fp8": _down_fp8(True, warps),
@@ -110,6 +120,11 @@ def specs() -> dict[str, tuple[str, Callable[[], dict[str, Any]], dict[str, Any]
             {"num_warps": RT.num_warps, "num_stages": RT.num_stages}),
         "matmul": _matmul(torch.bfloat16),
         "matmul_fp32": _matmul(torch.float32),
+        "linear_norm_swiglu": _linear(torch.bfloat16, norm=True, swiglu=True),
+        "linear_gate_add": _linear(torch.float32, norm=False, swiglu=False),
+        "rms_inv": ("dense.rms_inv_kernel", lambda: dict(
+            x_ptr=_t(8), inv_ptr=_t(8, dtype=f32), R=1000, C=HIDDEN, stride_x=HIDDEN,
+            eps=1e-6), dict(BLOCK_R=NORM_ROWS, BLOCK_C=NORM_BLOCK), {"num_warps": 8}),
         "rms_norm": ("dense.rms_norm_kernel", lambda: dict(
             x_ptr=_t(8), w_ptr=_t(8, dtype=f32), out_ptr=_t(8, dtype=f32), R=1000, C=HIDDEN,
             stride_x=HIDDEN, stride_w=0, stride_out=HIDDEN, eps=1e-6),
@@ -172,6 +187,25 @@ def _matmul(dtype: torch.dtype) -> tuple:
         stride_cg=HIDDEN * 1024, stride_cm=HIDDEN, stride_cn=1),
         dict(HAS_BIAS=False, PRECISION="ieee" if dtype == torch.float32 else "tf32",
              BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m),
+        {"num_warps": t.num_warps, "num_stages": t.num_stages})  # fmt: skip
+
+
+def _linear(a_dtype: torch.dtype, norm: bool, swiglu: bool) -> tuple:
+    """The fused layer linear's spec (bf16 weights, production tiles): a bf16 operand with
+    the row gather, the RMSNorm prologue and the SwiGLU7 epilogue stored in bf16 (the
+    multimodal MLP's up projection), or an fp32 operand with the per-head gate scale, cast
+    in registers, with the bias and the fp32 add epilogue (the widest other variant)."""
+    t, bf16, f32 = DENSE_TILES[torch.bfloat16], torch.bfloat16, torch.float32
+    return ("dense.linear_kernel", lambda: dict(
+        a_ptr=_t(8, dtype=a_dtype), idx_ptr=_t(8, dtype=torch.int64), inv_ptr=_t(8, dtype=f32),
+        nw_ptr=_t(8, dtype=f32), b_ptr=_t(8, dtype=bf16), bias_ptr=_t(8, dtype=f32),
+        add_ptr=_t(8, dtype=f32), c_ptr=_t(8, dtype=bf16 if swiglu else f32), M=1000,
+        N=2 * HIDDEN, K=HIDDEN, stride_am=HIDDEN, stride_bk=1, stride_bn=HIDDEN,
+        stride_sm=24, stride_dm=HIDDEN, stride_cm=HIDDEN),
+        dict(GATHER=norm, NORM=norm, SCALE_DIV=0 if norm else HEAD_DIM, HAS_BIAS=not norm,
+             SWIGLU=swiglu, ADD=not norm, LIMIT=SWIGLU_LIMIT,
+             ALPHA=SWIGLU_ALPHA, PRECISION="tf32", BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+             BLOCK_K=t.block_k, GROUP_M=t.group_m),
         {"num_warps": t.num_warps, "num_stages": t.num_stages})  # fmt: skip
 
 
@@ -247,7 +281,7 @@ def problems(name: str, r: dict, smem_limit: int) -> list[str]:
 
 
 #: kernels without a tensor-core product
-NO_MMA = ("route", "combine", "rms_norm", "matmul_fp32")
+NO_MMA = ("route", "combine", "rms_norm", "rms_inv", "matmul_fp32")
 
 
 def check_all(names: list[str], capability: int = 90, smem_limit: int = SMEM_LIMIT,

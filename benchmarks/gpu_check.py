@@ -1,7 +1,7 @@
 """One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
 seconds (default 360) that cannot stop half-way without a report.
 
-First the environment (device name, versions, clocks), then ten sections, each in its own
+First the environment (device name, versions, clocks), then eleven sections, each in its own
 try/except, the markdown file `--out` rewritten (atomically) after every section, so a
 failure or the budget running out loses only the rest of that section:
 
@@ -39,6 +39,12 @@ failure or the budget running out loses only the rest of that section:
     widening vs the bit-operation one (same bits), sub-batch rows, the MoE layer in the
     FP8 format (`Fp8Experts`) taking the W8A16 kernels, and TFLOP/s and weight bytes/s
     beside the bf16 kernels on the same routes.
+(j) the fused expert tile (`expert_tile_kernel`, the default) against the two-kernel path
+    (`gate_up_kernel` + `down_kernel`, `MoETiles(fused=False)`) at the section (c) shapes:
+    rows that differ and the largest difference (rounding only), rows alone vs in the
+    batch, time of both; and the fused layer linear (`triton_dense.linear_rows`: RMSNorm
+    prologue, SwiGLU7 epilogue, bf16 out) against the unfused kernels at the SP8 per-rank
+    shape (3,709 tokens, 3072 -> 2 x 2560): differing rows, error, time of both.
 
 Exit status 0 when every check passed, 1 when a check or a section failed or the budget
 ran out, 2 without a CUDA device. Targets (ratios in the table, never asserted by timed
@@ -104,6 +110,7 @@ SECTIONS = {
     "g": "refiner block-grid attention at 1080p vs dense SDPA of the same pairs",
     "h": "fused mHC (coefficients + Sinkhorn, input, update) vs the eager torch definition",
     "i": "FP8 routed experts (W8A16): error, widenings, rows, speed and bytes/s vs bf16",
+    "j": "fused expert tile vs the two kernels; fused layer linear vs the unfused ops",
 }
 
 
@@ -601,7 +608,8 @@ def device_compile_info(ctx: Ctx) -> None:
     from headmoe.moe import triton_moe
 
     kern = triton_runtime.kernels(triton_moe.KERNELS)
-    for name in ("route_kernel", "gate_up_kernel", "down_kernel", "combine_kernel"):
+    for name in ("route_kernel", "expert_tile_kernel", "gate_up_kernel", "down_kernel",
+                 "combine_kernel"):
         caches = getattr(getattr(kern, name), "device_caches", None)
         if not caches:
             ctx.report.add("c", f"device compile: {name}", "", "interpreter: no device compile")
@@ -951,10 +959,79 @@ def section_mhc(ctx: Ctx) -> None:
                    f"{ms_text(t_fused)}, {ms_text(t_eager)}{ratio}")  # fmt: skip
 
 
+# ---------------------------------------------------------------------------- (j) fusion
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| (fp32)."""
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def check_expert_tile(ctx: Ctx, n: int) -> None:
+    """The fused expert tile against the two-kernel path on the same routes: rows that
+    differ, the largest difference, rows alone vs in the batch, time of both."""
+    sh = ctx.sh
+    inp = moe_inputs(ctx, n, seed=n + 1)
+    z, wts = inp["z"], inp["weights"]
+    ids, w = routes(ctx, inp)
+    two = dataclasses.replace(DEFAULT_TILES, fused=False)
+    shape = f"{n:,} tok x {sh.heads} heads, {sh.experts} experts, top-{sh.top_k}"
+    fused, split = experts_triton(z, ids, w, *wts), experts_triton(z, ids, w, *wts, tiles=two)
+    ctx.report.add("j", "fused expert tile vs two kernels", shape,
+                   f"{mismatched_rows(fused, split)} rows differ, max |diff| "
+                   f"{max_diff(fused, split):.3g}")  # fmt: skip
+    lo, hi = n // 3, n // 3 + 7
+    alone = experts_triton(z[lo:hi], ids[lo:hi], w[lo:hi], *wts)
+    bad = mismatched_rows(alone, fused[lo:hi])
+    ctx.report.add("j", "fused expert tile rows alone vs in the batch", shape,
+                   f"{bad} rows differ", "0", bad == 0)  # fmt: skip
+    t_fused = ctx.time(lambda: experts_triton(z, ids, w, *wts))
+    t_two = ctx.time(lambda: experts_triton(z, ids, w, *wts, tiles=two))
+    ratio = "" if t_fused is None or t_two is None else f"; two / fused {t_two / t_fused:.2f}"
+    ctx.report.add("j", "experts: fused tile, two kernels ms", shape,
+                   f"{ms_text(t_fused)}, {ms_text(t_two)}{ratio}")  # fmt: skip
+
+
+def check_fused_linear(ctx: Ctx) -> None:
+    """`linear_rows` with the RMSNorm prologue and the SwiGLU7 epilogue (the multimodal
+    MLP's up projection) against rms_norm_rows -> cast -> matmul -> swiglu7 -> cast."""
+    sh, dt = ctx.sh, ctx.dtype
+    g = torch.Generator(device=ctx.device).manual_seed(13)
+    x = ctx.randn(sh.t_local, sh.hidden, gen=g)
+    w = ctx.randn(2 * sh.shared, sh.hidden, scale=sh.hidden**-0.5, gen=g)
+    nw = ctx.randn(sh.hidden, scale=0.1, dtype=torch.float32, gen=g)
+    shape = f"{sh.t_local:,} tok, {sh.hidden} -> 2 x {sh.shared}, {dt}".replace("torch.", "")
+
+    def fused() -> torch.Tensor:
+        norm = triton_dense.RowNorm(triton_dense.rms_inv_rows(x, 1e-6), nw)
+        return triton_dense.linear_rows(x, w.t(), norm=norm, swiglu=True, out_dtype=dt)
+
+    def unfused() -> torch.Tensor:
+        xn = triton_dense.rms_norm_rows(x, nw, 1e-6).to(dt)
+        return swiglu7(triton_dense.matmul(xn, w.t()).float()).to(dt)
+
+    a, b = fused(), unfused()
+    ctx.report.add("j", "fused linear (norm + SwiGLU7) vs unfused kernels", shape,
+                   f"{mismatched_rows(a, b)} rows differ, max |diff| {max_diff(a, b):.3g}")
+    lo, hi = sh.t_local // 3, sh.t_local // 3 + 5
+    norm = triton_dense.RowNorm(triton_dense.rms_inv_rows(x[lo:hi], 1e-6), nw)
+    part = triton_dense.linear_rows(x[lo:hi], w.t(), norm=norm, swiglu=True, out_dtype=dt)
+    bad = mismatched_rows(part, a[lo:hi])
+    ctx.report.add("j", "fused linear rows alone vs in the batch", shape, f"{bad} rows differ",
+                   "0", bad == 0)  # fmt: skip
+    t_f, t_u = ctx.time(fused), ctx.time(unfused)
+    ratio = "" if t_f is None or t_u is None else f"; unfused / fused {t_u / t_f:.2f}"
+    ctx.report.add("j", "fused, unfused ms", shape, f"{ms_text(t_f)}, {ms_text(t_u)}{ratio}")
+
+
+def section_fusion(ctx: Ctx) -> None:
+    for n in ctx.sh.moe_tokens[-1:] if ctx.dry else ctx.sh.moe_tokens:  # dry: the code path once
+        check_expert_tile(ctx, n)
+    check_fused_linear(ctx)
+
+
 SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
     "0": section_compile, "a": section_checks, "b": section_probe, "c": section_moe,
     "d": section_attention, "e": section_layer, bench_stream.SECTION: bench_stream.gpu_section,
-    "g": section_refiner, "h": section_mhc, "i": section_fp8,
+    "g": section_refiner, "h": section_mhc, "i": section_fp8, "j": section_fusion,
 }  # fmt: skip
 
 

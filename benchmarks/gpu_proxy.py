@@ -60,7 +60,7 @@ LAYOUTS = (("SP1", 1, 1), ("SP4/EP2", 4, 2), ("SP8/EP4", 8, 4))
 #: text tokens of the released recipe's branches (the planner's default)
 TEXT_TOKENS = 250
 GEMM_KERNELS = {"matmul_kernel", "rms_matmul_kernel", "gate_up_kernel", "down_kernel",
-                "route_kernel"}
+                "route_kernel", "linear_kernel", "expert_tile_kernel"}
 ATTENTION_KERNELS = {"sink_attention_kernel", "range_attention_kernel"}
 SKIP_OPS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like",
             "detach", "lift_fresh", "_unsafe_view"}  # fmt: skip
@@ -171,8 +171,28 @@ def _flops_down(hidden, w_down, routed, *_r, **k) -> float:
     return 2.0 * hidden.shape[0] * k["F"] * routed.shape[1]
 
 
+def _flops_expert_tile(z, src, tile_group, tile_rows, w_gate, w_up, w_down, routed, *_r,
+                       **k) -> float:
+    """gate + up (recomputed for each of the N_BLOCKS output column blocks) and down."""
+    return 2.0 * routed.shape[0] * k["D"] * k["F"] * (2 * k["N_BLOCKS"] + 1)
+
+
 def _flops_route(z, gate, *_r, **_k) -> float:
     return 2.0 * z.shape[0] * gate.shape[0] * gate.shape[1]
+
+
+def _flops_linear(a, idx, inv, nw, b, bias, add, c, m, n, k, *_r, **_kw) -> float:
+    return 2.0 * m * n * k
+
+
+def _bytes_linear(a, idx, inv, nw, b, bias, add, c, m, n, k, *_r, **kw) -> float:
+    """The rows it reads and writes (a gathered launch touches its `m` rows of a and c, not
+    all of them), the weight, and the per-row index / norm scale."""
+    per_row = k * a.element_size() + c.shape[1] * c.element_size()
+    per_row += (8 if kw["GATHER"] else 0) + (4 if kw["NORM"] else 0) + (
+        4 * c.shape[1] if kw["ADD"] else 0) + (4 * inv.shape[1] if kw["SCALE_DIV"] else 0)
+    return m * per_row + _nbytes(b) + (k * 4 if kw["NORM"] else 0) + (
+        n * 4 if kw["HAS_BIAS"] else 0)
 
 
 def _flops_elementwise(*args, **_k) -> float:
@@ -184,7 +204,10 @@ KERNEL_COST = {
     "matmul_kernel": _flops_matmul, "rms_matmul_kernel": _flops_rms_matmul,
     "sink_attention_kernel": _flops_attention,
     "gate_up_kernel": _flops_gate_up, "down_kernel": _flops_down, "route_kernel": _flops_route,
+    "linear_kernel": _flops_linear, "expert_tile_kernel": _flops_expert_tile,
 }  # fmt: skip
+#: bytes of the kernels that touch only part of their tensor arguments (others: all of them)
+KERNEL_BYTES = {"linear_kernel": _bytes_linear}
 
 
 class FakeKernels:
@@ -202,7 +225,8 @@ class FakeKernels:
             cost = KERNEL_COST.get(name, _flops_elementwise)
             with torch.utils._python_dispatch._disable_current_modes():
                 flops = cost(*args, **kwargs)
-            nbytes = sum(_nbytes(t) for t in {id(t): t for t in _tensors(args)}.values())
+                nbytes = (KERNEL_BYTES[name](*args, **kwargs) if name in KERNEL_BYTES else
+                          sum(_nbytes(t) for t in {id(t): t for t in _tensors(args)}.values()))
             ledger.launch(name, flops, nbytes, name in GEMM_KERNELS)
 
         return _Launcher(launch)

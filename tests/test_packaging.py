@@ -70,3 +70,31 @@ def test_a_refused_pickle_global_is_named_with_the_file(tmp_path):
     msg = str(err.value)
     assert f"checkpoint {str(path)!r} cannot be read with torch.load(weights_only=True)" in msg
     assert "needs the Python global fractions.Fraction" in msg, msg
+
+
+def test_a_wheel_from_a_clean_tree_ships_the_web_page(tmp_path):
+    """``pip install`` of a clone installs the web page of ``headmoe serve``: a wheel built
+    from the files git would clone (tracked and new, not ignored ones) holds every file
+    `headmoe.serve.page.FILES` serves, byte for byte."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from headmoe.serve.page import FILES
+
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "--", "src",
+                             "pyproject.toml", "README.md"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.split()
+    clone = tmp_path / "clone"
+    for name in listed:
+        if (REPO / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            (clone / name).write_bytes((REPO / name).read_bytes())
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist"),
+                    str(clone)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("headmoe-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        for name in FILES:
+            shipped = zf.read(f"headmoe/serve/web/{name}")
+            assert shipped == (REPO / "src/headmoe/serve/web" / name).read_bytes(), name

@@ -29,8 +29,9 @@ def test_quick_proxy_counts_the_cuda_dispatch_of_a_272p_sp8_ep4_forward():
     assert kernel[1] == 4.0 * seg * seg * cfg.head_dim * heads * 2 * cfg.num_layers
     assert kernel[1] <= r["flops"]["attention"] < kernel[1] * 1.001  # + the output cat
     names = {name for (_region, name, _gemm) in r["rows"]}
-    assert {"matmul_kernel", "sink_attention_kernel", "gate_up_kernel", "down_kernel",
-            "route_kernel", "rms_norm_kernel", "aten.add"} <= names  # fmt: skip
+    assert {"linear_kernel", "sink_attention_kernel", "expert_tile_kernel", "route_kernel",
+            "rms_inv_kernel", "rms_norm_kernel", "aten.add"} <= names  # fmt: skip
+    assert not {"gate_up_kernel", "down_kernel", "matmul_kernel"} & names  # all fused
     assert kernel[0] == 2 * cfg.num_layers  # one launch per segment and layer
     assert 0 < r["peak_bytes"] < r["plan_activation_bytes"]
     assert r["elementwise_s"] < r["roofline_s"]

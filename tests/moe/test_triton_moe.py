@@ -210,3 +210,19 @@ def test_nan_rows_route_to_valid_experts_on_every_head():
     assert bool(torch.isnan(out[nan]).all()) and not bool(torch.isnan(out[~nan]).any())
     clean = experts_triton(z[h + 1 :], ids[h + 1 :], w[h + 1 :], *weights, tiles=tiles)
     assert torch.equal(out[h + 1 :], clean)
+
+
+def test_fused_expert_tile_equals_the_two_kernel_path():
+    """The fused expert tile (gate, up, SwiGLU7 and down per tile, no hidden rows written)
+    gives the two-kernel path's bits (same sums in the same order: d_expert chunks of
+    down_k), whatever its tile height; its rows are invariant to moves and batch size."""
+    z, ids, w = _routed(40, 40, torch.float16)
+    weights = _weights(41, torch.float16)
+    fused = dataclasses.replace(TILES, fused=True, fused_m=32)
+    two = experts_triton(z, ids, w, *weights, tiles=dataclasses.replace(TILES, fused=False))
+    got = experts_triton(z, ids, w, *weights, tiles=fused)
+    assert torch.equal(got, two)
+    p = torch.randperm(40, generator=torch.Generator().manual_seed(42))
+    assert torch.equal(experts_triton(z[p], ids[p], w[p], *weights, tiles=fused), got[p])
+    assert torch.equal(experts_triton(z[9:12], ids[9:12], w[9:12], *weights, tiles=fused),
+                       got[9:12])  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -26,6 +28,30 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> 
     batch-invariant, see `rms_norm`). Same shapes and dtypes as `rms_norm`."""
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldedNorm:
+    """An RMSNorm left to the linears that read it (the Triton path, issue 30): each applies
+    it in its GEMM prologue (`triton_dense.linear_rows(norm=...)`), so the fp32 normed
+    `[T, C]` copy is never written. x: `[T, C]` (its dtype); inv: fp32 `[T]`
+    (`triton_dense.rms_inv_rows`); weights: fp32 `[m, C]`, one row per modality; groups: the
+    rows of each modality (`RowPlan.groups`) when m > 1, else None."""
+
+    x: torch.Tensor
+    inv: torch.Tensor
+    weights: torch.Tensor
+    groups: list[torch.Tensor] | None
+
+    def row_norm(self, m: int) -> triton_dense.RowNorm:
+        """The prologue norm of modality m's rows."""
+        return triton_dense.RowNorm(self.inv, self.weights[m])
+
+    def parts(self) -> list[tuple[torch.Tensor | None, triton_dense.RowNorm]]:
+        """(rows or None for all rows, norm) of each modality with rows."""
+        if self.groups is None:
+            return [(None, self.row_norm(0))]
+        return [(rows, self.row_norm(m)) for m, rows in enumerate(self.groups) if rows.numel()]
 
 
 class RMSNorm(nn.Module):
@@ -58,3 +84,16 @@ class ModalityRMSNorm(nn.Module):
         w = self.weight.view(self.num_modalities, self.dim)[modality]
         w = w.view(w.shape[0], *([1] * (x.dim() - 2)), self.dim)
         return rms_norm(x, w, self.eps)
+
+    def folded(self, x: torch.Tensor, modality: torch.Tensor,
+               groups: list[torch.Tensor]) -> torch.Tensor | FoldedNorm:  # fmt: skip
+        """`forward(x, modality)` for the linears that consume it: on the Triton path (x
+        `[T, dim]` on CUDA) a `FoldedNorm` they apply in their prologue (same bits as the
+        fp32 normed rows cast to their dtype), elsewhere the fp32 tensor. groups: the rows
+        of each modality (`RowPlan.groups`, matching `modality`)."""
+        if not triton_runtime.use_triton(x) or x.dim() != 2:
+            return self.forward(x, modality)
+        x = x if x.stride(1) == 1 else x.contiguous()
+        weights = self.weight.view(self.num_modalities, self.dim)
+        return FoldedNorm(x, triton_dense.rms_inv_rows(x, self.eps), weights,
+                          groups if self.num_modalities > 1 else None)

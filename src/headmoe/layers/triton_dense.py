@@ -33,6 +33,7 @@ import dataclasses
 import torch
 
 from headmoe.config import check_positive_int
+from headmoe.layers.activations import SWIGLU_ALPHA, SWIGLU_LIMIT
 from headmoe.layers.triton_runtime import KERNEL_FLOATS, check_tensors, check_tile_sizes, kernels
 
 #: the module of the kernels (imported at the first call)
@@ -169,4 +170,123 @@ def rms_norm_matmul(x: torch.Tensor, weight: torch.Tensor, b: torch.Tensor,
             w.stride(0) if w.shape[0] == m and m > 1 else 0, b.shape[1], out.stride(0),
             float(eps), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
         )  # fmt: skip
+    return out
+
+
+def rms_inv_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rsqrt(mean(x^2) + eps)` of every row of x `[R, C]` (fp32/fp16/bf16, last stride 1)
+    -> fp32 `[R]`: the same bits as the scale `rms_norm_rows` applies (one reduction rule,
+    `row_inv_rms`), for the GEMMs that fold the norm in (`linear_rows(norm=...)`)."""
+    if x.dim() != 2 or x.dtype not in KERNEL_FLOATS or x.stride(-1) != 1:
+        raise ValueError(f"x must be a float [R, C] tensor with last stride 1, got "
+                         f"{tuple(x.shape)} {x.dtype} strides {x.stride()}")  # fmt: skip
+    kern = kernels(KERNELS).rms_inv_kernel
+    check_tensors(kern, x=x)
+    r, c = x.shape
+    inv = torch.empty(r, dtype=torch.float32, device=x.device)
+    if r and c:
+        kern[(-(-r // NORM_ROWS),)](
+            x, inv, r, c, x.stride(0), float(eps), BLOCK_R=NORM_ROWS,
+            BLOCK_C=min(NORM_BLOCK, max(16, 1 << (c - 1).bit_length())), num_warps=8,
+        )  # fmt: skip
+    return inv
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm a GEMM applies in its prologue: row r of the operand is read as
+    `x[r] * inv[r] * (1 + weight)` in fp32 (`rms_norm_rows`' arithmetic, same bits).
+    inv: fp32 `[R]` (`rms_inv_rows` of the operand); weight: fp32 `[K]`."""
+
+    inv: torch.Tensor
+    weight: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnGate:
+    """A per-row, per-column-group scale a GEMM applies in its prologue: element k of row r
+    is read as `a[r, k] * scale[r, k // width]` in fp32 (the attention gate on `[T, H*D]`
+    rows: scale fp32 `[T, H]`, width D)."""
+
+    scale: torch.Tensor
+    width: int
+
+
+def _check_linear(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, rows: torch.Tensor | None,
+                  norm: RowNorm | None, swiglu: bool, gate: ColumnGate | None,
+                  add: torch.Tensor | None) -> None:  # fmt: skip
+    """ValueError naming the first argument of `linear_rows` with a bad shape or dtype."""
+    if a.dim() != 2 or a.dtype not in KERNEL_FLOATS or b.dim() != 2 or b.shape[0] != a.shape[1]:
+        raise ValueError(f"a must be a float [M, K] and b [K, N], got {tuple(a.shape)} "
+                         f"{a.dtype} and {tuple(b.shape)}")  # fmt: skip
+    n_out = b.shape[1] // 2 if swiglu else b.shape[1]
+    if b.dtype not in KERNEL_FLOATS or (swiglu and b.shape[1] % 2):
+        raise ValueError(f"b must be float [K, N] (N even with swiglu), got {tuple(b.shape)} "
+                         f"{b.dtype}")  # fmt: skip
+    if out.dim() != 2 or tuple(out.shape) != (a.shape[0], n_out) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{a.shape[0]}, {n_out}] with last stride 1, got "
+                         f"{tuple(out.shape)} strides {out.stride()}")  # fmt: skip
+    if rows is not None and (rows.dtype != torch.int64 or rows.dim() != 1):
+        raise ValueError(f"rows must be int64 [R], got {tuple(rows.shape)} {rows.dtype}")
+    if norm is not None and (tuple(norm.inv.shape) != (a.shape[0],)
+                             or tuple(norm.weight.shape) != (a.shape[1],)):
+        raise ValueError(f"norm must hold inv [{a.shape[0]}] and weight [{a.shape[1]}], got "
+                         f"{tuple(norm.inv.shape)} and {tuple(norm.weight.shape)}")  # fmt: skip
+    if gate is not None and (norm is not None or gate.scale.dim() != 2
+                             or gate.scale.shape[0] != a.shape[0]
+                             or gate.scale.shape[1] * gate.width != a.shape[1]):
+        raise ValueError(f"gate must be fp32 [{a.shape[0]}, G] with G * width = {a.shape[1]} "
+                         f"(and no norm), got {tuple(gate.scale.shape)} x {gate.width}")
+    if add is not None and (add.dtype != torch.float32 or add.shape != out.shape
+                            or add.stride(1) != 1):
+        raise ValueError(f"add must be fp32 {tuple(out.shape)} with last stride 1, got "
+                         f"{tuple(add.shape)} {add.dtype}")  # fmt: skip
+
+
+def linear_rows(
+    a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None, norm: RowNorm | None = None,
+    gate: ColumnGate | None = None, bias: torch.Tensor | None = None, swiglu: bool = False,
+    add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+    tiles: DenseTiles | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """A layer's linear in one kernel, casts and gathers folded in: for each row r (all of
+    a, or the int64 `rows` `[R]`), `out[r] = epilogue(prologue(a[r]) @ b)`.
+
+    a: `[M, K]` fp32/fp16/bf16 (last stride 1), read in its dtype; prologue: `norm`'s
+    per-row RMSNorm in fp32 (`RowNorm`) or `gate`'s per-column-group scale (`ColumnGate`),
+    then the cast to b's dtype in registers. b: `[K, N]` in the compute dtype (`weight.t()`
+    is a view). Epilogue: the fp32 sum rounded to b's dtype and widened (what
+    `bi_linear(a.to(b.dtype), ...).float()` gives), + bias (fp32 `[N]`), SwiGLU7 of the even
+    (gate) / odd (up) columns with `swiglu` (N/2 columns out), + add (fp32, out's shape).
+    out: `[M, N or N/2]` to write the rows into (other rows untouched), else a new tensor in
+    `out_dtype`. Rows independent of the batch and of their place (fixed tiles of b's
+    dtype, whole K per program): bits equal to the unfused sequence, given the MMA's."""
+    n_out = b.shape[1] // 2 if swiglu else b.shape[1]
+    if out is None:
+        out = torch.empty((a.shape[0], n_out), dtype=out_dtype, device=a.device)
+    _check_linear(a, b, out, rows, norm, swiglu, gate, add)
+    a = a if a.stride(1) == 1 else a.contiguous()
+    kern = kernels(KERNELS).linear_kernel
+    extra = {} if bias is None else {"bias": bias}
+    check_tensors(kern, a=a, b=b, out=out, **extra)
+    tiles = tiles or DENSE_TILES[b.dtype]
+    m = a.shape[0] if rows is None else rows.numel()
+    k, n = b.shape
+    if m == 0 or n == 0:
+        return out
+    idx = out if rows is None else rows.contiguous()
+    inv, nw = (out, out) if norm is None else (norm.inv, norm.weight.float().contiguous())
+    if gate is not None:
+        inv = gate.scale if gate.scale.stride(1) == 1 else gate.scale.contiguous()
+    kern[(-(-m // tiles.block_m) * -(-n // tiles.block_n),)](
+        a, idx, inv, nw, b, out if bias is None else bias.float().contiguous(),
+        out if add is None else add, out, m, n, k, a.stride(0), *b.stride(), inv.stride(0),
+        (out if add is None else add).stride(0), out.stride(0), GATHER=rows is not None,
+        NORM=norm is not None, SCALE_DIV=0 if gate is None else gate.width,
+        HAS_BIAS=bias is not None, SWIGLU=swiglu, ADD=add is not None, LIMIT=SWIGLU_LIMIT,
+        ALPHA=SWIGLU_ALPHA, PRECISION="ieee" if b.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
     return out

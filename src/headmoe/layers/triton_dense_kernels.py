@@ -75,13 +75,7 @@ def rms_norm_kernel(
     rmask = rows < R
     rows = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_C)
-    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        mask = rmask[:, None] & (c0 + cols < C)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + (c0 + cols)[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        acc += x * x
-    inv = tl.rsqrt(tl.sum(acc, axis=1) / C + eps)
+    inv = row_inv_rms(x_ptr, rows, rmask, C, stride_x, eps, BLOCK_R, BLOCK_C)
     for c0 in range(0, C, BLOCK_C):
         mask = rmask[:, None] & (c0 + cols < C)[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + (c0 + cols)[None, :], mask=mask, other=0.0)
@@ -120,3 +114,99 @@ def rms_matmul_kernel(
     inv = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :], acc * inv[:, None],
              mask=rmask[:, None] & cmask[None, :])  # fmt: skip
+
+
+@triton.jit
+def row_inv_rms(x_ptr, rows, rmask, C, stride_x, eps, BLOCK_R: tl.constexpr,
+                BLOCK_C: tl.constexpr):  # fmt: skip
+    """`rsqrt(sum(x^2) / C + eps)` `[BLOCK_R]` fp32 of the int64 `rows` of x: the squares
+    summed in BLOCK_C lanes from column 0, the lanes reduced by one fixed tree (`tl.sum`),
+    the same for every row (`rms_norm_kernel` and `rms_inv_kernel` both take it from here)."""
+    cols = tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        mask = rmask[:, None] & (c0 + cols < C)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + (c0 + cols)[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        acc += x * x
+    return tl.rsqrt(tl.sum(acc, axis=1) / C + eps)
+
+
+@triton.jit
+def rms_inv_kernel(
+    x_ptr, inv_ptr, R, C, stride_x, eps, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One program: rows `[r0, r0 + BLOCK_R)`; inv[r] = `row_inv_rms` of row r (fp32)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    inv = row_inv_rms(x_ptr, rows.to(tl.int64), rmask, C, stride_x, eps, BLOCK_R, BLOCK_C)
+    tl.store(inv_ptr + rows, inv, mask=rmask)
+
+
+@triton.jit
+def linear_kernel(
+    a_ptr, idx_ptr, inv_ptr, nw_ptr, b_ptr, bias_ptr, add_ptr, c_ptr, M, N, K,
+    stride_am, stride_bk, stride_bn, stride_sm, stride_dm, stride_cm,
+    GATHER: tl.constexpr, NORM: tl.constexpr, SCALE_DIV: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr, ADD: tl.constexpr,
+    LIMIT: tl.constexpr, ALPHA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """One program: BLOCK_M rows x BLOCK_N columns of `c[rows] = epilogue(prologue(a[rows])
+    @ b)`, the tile `grouped_tile` gives it; the whole K from 0 in steps of BLOCK_K (no
+    split-K), fp32 accumulation.
+
+    rows: `idx[i]` (int64) for i in the tile with GATHER, else i. Prologue in registers:
+    with NORM, `a * inv[row] * (1 + nw)` in fp32 (the RMSNorm as a per-row scale; inv_ptr,
+    nw_ptr); with SCALE_DIV > 0, `a * s[row, k // SCALE_DIV]` in fp32 (a per-row,
+    per-column-group scale such as the attention gate; s at inv_ptr, row stride
+    stride_sm); then a is cast to b's dtype. Epilogue: the sum rounded to b's dtype and
+    widened to fp32 (the `bi_linear(...).float()` of the layers), + the fp32 bias with
+    HAS_BIAS; with SWIGLU the even / odd columns are gate / up and `min(g, LIMIT) *
+    sigmoid(ALPHA * min(g, LIMIT)) * (clamp(u, -LIMIT, LIMIT) + 1)` lands in column n // 2;
+    with ADD, + the fp32 `add[row]` (row stride stride_dm); stored in c's dtype."""
+    tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                  GROUP_M)
+    local = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = local < M
+    if GATHER:
+        rows = tl.load(idx_ptr + local, mask=rmask, other=0)
+    else:
+        rows = local.to(tl.int64)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    if NORM:
+        inv = tl.load(inv_ptr + rows, mask=rmask, other=0.0)
+    a_rows = a_ptr + rows[:, None] * stride_am
+    b_cols = b_ptr + cols.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + kk) < K
+        a = tl.load(a_rows + (k0 + kk)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if NORM:
+            w = tl.load(nw_ptr + k0 + kk, mask=kmask, other=0.0)
+            a = a.to(tl.float32) * inv[:, None] * (1.0 + w[None, :])
+        if SCALE_DIV > 0:
+            sc = tl.load(inv_ptr + rows[:, None] * stride_sm + ((k0 + kk) // SCALE_DIV)[None, :],
+                         mask=rmask[:, None] & kmask[None, :], other=0.0)  # fmt: skip
+            a = a.to(tl.float32) * sc
+        b = tl.load(b_cols + (k0 + kk)[:, None] * stride_bk,
+                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+    y = acc.to(b_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
+    if SWIGLU:
+        g, u = tl.split(tl.reshape(y, [BLOCK_M, BLOCK_N // 2, 2]))
+        g = tl.minimum(g, LIMIT)
+        s = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
+        y = g * s * (tl.minimum(tl.maximum(u, -LIMIT), LIMIT) + 1.0)
+        cols = tile_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        cmask = cols < N // 2
+    if ADD:
+        y += tl.load(add_ptr + rows[:, None] * stride_dm + cols[None, :],
+                     mask=rmask[:, None] & cmask[None, :], other=0.0)
+    dst = c_ptr + rows[:, None] * stride_cm + cols[None, :]
+    tl.store(dst, y.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])

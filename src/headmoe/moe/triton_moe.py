@@ -68,9 +68,16 @@ class MoETiles:
     num_warps: int = 8
     num_stages: int = 3
     row_gather: bool = True
+    fused: bool = True
+    fused_m: int = 64
 
     def __post_init__(self) -> None:
-        check_tile_sizes(self, tuple(f.name for f in dataclasses.fields(self)[:7]))
+        check_tile_sizes(self, tuple(f.name for f in dataclasses.fields(self)[:7]) + ("fused_m",))
+
+    @property
+    def schedule_m(self) -> int:
+        """Rows per tile of the group schedule: `fused_m` on the fused path, else `block_m`."""
+        return self.fused_m if self.fused else self.block_m
 
 
 #: the production configuration (bf16 on Hopper); fixed, so rows never see another one
@@ -201,6 +208,62 @@ def _check_experts_args(z: torch.Tensor, experts: torch.Tensor, weights: torch.T
                          f"d_expert={f} of tiles.down_k={tiles.down_k}")  # fmt: skip
 
 
+#: the experts kernels' row gather: z, the z row of every padded row, tile groups, tile rows
+Gather = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _launch_options(z: torch.Tensor, tiles: MoETiles) -> dict[str, object]:
+    """The experts kernels' shared launch arguments."""
+    return {"PRECISION": "ieee" if z.dtype == torch.float32 else "tf32",
+            "ROW_GATHER": tiles.row_gather, "LIMIT": SWIGLU_LIMIT, "ALPHA": SWIGLU_ALPHA,
+            "num_warps": tiles.num_warps, "num_stages": tiles.num_stages}  # fmt: skip
+
+
+def _expert_tile(gather: Gather, w_gate: torch.Tensor, w_up: torch.Tensor,
+                 w_down: torch.Tensor, routed: torch.Tensor, tiles: MoETiles) -> None:  # fmt: skip
+    """`expert_tile_kernel` over the schedule's tiles: routed `[P, d]` fp32 padded rows."""
+    z, _src, tile_group, _rows = gather
+    groups, d, f = w_gate.shape[0], w_gate.shape[1], w_gate.shape[2]
+    h = z.shape[1]
+    bm, nb = tiles.fused_m, triton_cdiv(d, tiles.down_n)
+    gate_block = [tiles.gate_k, tiles.down_k]
+    kernels(KERNELS).expert_tile_kernel[(tile_group.numel() * nb,)](
+        *gather, descriptor(w_gate.reshape(-1, f), gate_block),
+        descriptor(w_up.reshape(-1, f), gate_block),
+        descriptor(w_down.reshape(-1, d), [tiles.down_k, tiles.down_n]),
+        descriptor(routed, [bm, tiles.down_n]), groups, groups // h, z.stride(0), z.stride(1),
+        D=d, F=f, N_BLOCKS=nb, BLOCK_M=bm, BLOCK_N=tiles.down_n, BLOCK_F=tiles.down_k,
+        BLOCK_K=tiles.gate_k, **_launch_options(z, tiles),
+    )  # fmt: skip
+
+
+def _two_kernels(gather: Gather, w_gate: torch.Tensor, w_up: torch.Tensor,
+                 w_down: torch.Tensor, routed: torch.Tensor, tiles: MoETiles) -> None:  # fmt: skip
+    """`gate_up_kernel` (hidden `[P, f]` rows in z's dtype) then `down_kernel`."""
+    z, _src, tile_group, _rows = gather
+    groups, d, f = w_gate.shape[0], w_gate.shape[1], w_gate.shape[2]
+    h = z.shape[1]
+    kern = kernels(KERNELS)
+    hidden = torch.empty((routed.shape[0], f), dtype=z.dtype, device=z.device)
+    opts = _launch_options(z, tiles)
+    bm = tiles.block_m
+    nb_gate, nb_down = triton_cdiv(f, tiles.gate_n), triton_cdiv(d, tiles.down_n)
+    gate_block = [tiles.gate_k, tiles.gate_n]
+    kern.gate_up_kernel[(tile_group.numel() * nb_gate,)](
+        *gather, descriptor(w_gate.reshape(-1, f), gate_block),
+        descriptor(w_up.reshape(-1, f), gate_block), descriptor(hidden, [bm, tiles.gate_n]),
+        groups, groups // h, z.stride(0), z.stride(1), D=d, N_BLOCKS=nb_gate, BLOCK_M=bm,
+        BLOCK_N=tiles.gate_n, BLOCK_K=tiles.gate_k, **opts,
+    )  # fmt: skip
+    del opts["ROW_GATHER"], opts["LIMIT"], opts["ALPHA"]
+    kern.down_kernel[(tile_group.numel() * nb_down,)](
+        descriptor(hidden, [bm, tiles.down_k]),
+        descriptor(w_down.reshape(-1, d), [tiles.down_k, tiles.down_n]),
+        descriptor(routed, [bm, tiles.down_n]), tile_group, groups, F=f, N_BLOCKS=nb_down,
+        BLOCK_M=bm, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **opts,
+    )  # fmt: skip
+
+
 def experts_triton(
     z: torch.Tensor,
     experts: torch.Tensor,
@@ -210,53 +273,37 @@ def experts_triton(
     w_down: torch.Tensor,
     tiles: MoETiles = DEFAULT_TILES,
 ) -> torch.Tensor:
-    """`experts_grouped` as Triton kernels: gather + W_gate/W_up + SwiGLU7, W_down, combine.
+    """`experts_grouped` as Triton kernels: the fused expert tile (gather + W_gate/W_up +
+    SwiGLU7 + W_down, `tiles.fused`) or gate/up then down, and the combine.
 
     z: `[N, h, d]` (bf16, fp16 or fp32); experts / weights: `[N, h, k]` int64 ascending ids
     in [0, E) / fp32, from `route`; w_gate, w_up: `[h*E, d, f]`, w_down: `[h*E, f, d]`, in
     z's dtype; d a multiple of `tiles.gate_k`, f of `tiles.down_k`. Returns `[N, h, d]` in
-    z's dtype. Temporaries: P = T*block_m padded rows (T from `group_schedule`, P < N*h*k +
-    h*E*block_m) of f in z's dtype and of d in fp32. Rows compared for bits must come from
-    calls with the same `tiles`."""
+    z's dtype. Temporaries: P = T*m padded rows (m = `tiles.schedule_m`, T from
+    `group_schedule`, P < N*h*k + h*E*m) of d in fp32, and on the two-kernel path of f in
+    z's dtype. Rows compared for bits must come from calls with the same `tiles`."""
     _check_experts_args(z, experts, weights, w_gate, w_up, w_down, tiles)
     kern = kernels(KERNELS)
     check_tensors(kern.gate_up_kernel, z=z, experts=experts, weights=weights, w_gate=w_gate,
                   w_up=w_up, w_down=w_down)  # fmt: skip
     n, h, d = z.shape
-    k, groups, f = experts.shape[2], w_gate.shape[0], w_gate.shape[2]
+    k, groups = experts.shape[2], w_gate.shape[0]
     out = torch.empty((n, h, d), dtype=z.dtype, device=z.device)
     if n == 0:
         return out
     if z.stride(2) != 1:
         z = z.contiguous()
     route_group = route_groups(experts, groups // h)
-    tile_group, tile_rows, order, row = group_schedule(route_group, groups, tiles.block_m)
-    rows = tile_group.numel() * tiles.block_m
+    tile_group, tile_rows, order, row = group_schedule(route_group, groups, tiles.schedule_m)
+    rows = tile_group.numel() * tiles.schedule_m
     src = torch.zeros(rows, dtype=torch.int64, device=z.device)  # z row of every padded row
     token, head = order // (h * k), (order // k) % h
     src[row] = token if tiles.row_gather else token * z.stride(0) + head * z.stride(1)
     pos = torch.empty_like(row)
     pos[order] = row  # padded row of every route, flat [N, h, k] order
-    hidden = torch.empty((rows, f), dtype=z.dtype, device=z.device)
     routed = torch.empty((rows, d), dtype=torch.float32, device=z.device)
-    prec = "ieee" if z.dtype == torch.float32 else "tf32"
-    launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-    bm = tiles.block_m
-    nb_gate, nb_down = triton_cdiv(f, tiles.gate_n), triton_cdiv(d, tiles.down_n)
-    gate_block = [tiles.gate_k, tiles.gate_n]
-    kern.gate_up_kernel[(tile_group.numel() * nb_gate,)](
-        z, src, tile_group, tile_rows, descriptor(w_gate.reshape(-1, f), gate_block),
-        descriptor(w_up.reshape(-1, f), gate_block), descriptor(hidden, [bm, tiles.gate_n]),
-        groups, groups // h, z.stride(0), z.stride(1), D=d, LIMIT=SWIGLU_LIMIT,
-        ALPHA=SWIGLU_ALPHA, PRECISION=prec, ROW_GATHER=tiles.row_gather, N_BLOCKS=nb_gate,
-        BLOCK_M=bm, BLOCK_N=tiles.gate_n, BLOCK_K=tiles.gate_k, **launch,
-    )  # fmt: skip
-    kern.down_kernel[(tile_group.numel() * nb_down,)](
-        descriptor(hidden, [bm, tiles.down_k]),
-        descriptor(w_down.reshape(-1, d), [tiles.down_k, tiles.down_n]),
-        descriptor(routed, [bm, tiles.down_n]), tile_group, groups, F=f, PRECISION=prec,
-        N_BLOCKS=nb_down, BLOCK_M=bm, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, **launch,
-    )  # fmt: skip
+    gather = (z, src, tile_group, tile_rows)
+    (_expert_tile if tiles.fused else _two_kernels)(gather, w_gate, w_up, w_down, routed, tiles)
     grid = (triton_cdiv(n * h, tiles.combine_m), triton_cdiv(d, tiles.combine_d))
     kern.combine_kernel[grid](
         routed, pos, weights.contiguous(), out, n * h, D=d, TOP_K=k, BLOCK_M=tiles.combine_m,

@@ -164,3 +164,49 @@ def combine_kernel(
         out = out + y * w[:, None]
     dst = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def expert_tile_kernel(
+    z_ptr, src_ptr, tile_group_ptr, tile_rows_ptr, wg_desc, wu_desc, wd_desc, y_desc, groups,
+    experts, stride_zt, stride_zh,
+    D: tl.constexpr, F: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    PRECISION: tl.constexpr, ROW_GATHER: tl.constexpr, N_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The fused expert tile: one program computes tile `program_id(0) // N_BLOCKS` (BLOCK_M
+    padded rows of one (head, expert) group) x output columns block `program_id(0) %
+    N_BLOCKS` (BLOCK_N of d) of `y = SwiGLU7(z W_gate, z W_up) W_down` without writing the
+    hidden rows: d_expert is walked in chunks of BLOCK_F from 0; per chunk the gate / up
+    sums run over d in steps of BLOCK_K from 0 (fp32), SwiGLU7 in fp32, the chunk rounded to
+    z's dtype and multiplied into the fp32 output accumulator. The z rows are gathered as
+    in `gate_up_kernel` (rows past `tile_rows` load zeros). With BLOCK_F equal to the
+    two-kernel path's `down_k`, every element sees the same sums in the same order as
+    `gate_up_kernel` + `down_kernel`. y: fp32 padded rows, stored at the tile's rows."""
+    tile = tl.program_id(0) // N_BLOCKS
+    group = tl.load(tile_group_ptr + tile)
+    if group >= groups:  # beyond the last tile of the schedule's upper bound
+        return
+    local = tl.arange(0, BLOCK_M)
+    rmask = local < tl.load(tile_rows_ptr + tile)
+    row0 = tile * BLOCK_M
+    src = tl.load(src_ptr + row0 + local, mask=rmask, other=0)
+    if ROW_GATHER:
+        z_rows = z_ptr + (group // experts).to(tl.int64) * stride_zh + src * stride_zt
+    else:
+        z_rows = z_ptr + src
+    n0 = (tl.program_id(0) % N_BLOCKS) * BLOCK_N
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_F):
+        acc_g = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_F], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            a = tl.load(z_rows[:, None] + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+            acc_g = tl.dot(a, wg_desc.load([group * D + k0, f0]), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, wu_desc.load([group * D + k0, f0]), acc_u, input_precision=PRECISION)
+        g = tl.minimum(acc_g, LIMIT)
+        s = 1.0 / (1.0 + tl.exp(-(g * ALPHA)))
+        act = (g * s * (tl.minimum(tl.maximum(acc_u, -LIMIT), LIMIT) + 1.0)).to(z_ptr.dtype.element_ty)
+        acc = tl.dot(act, wd_desc.load([group * F + f0, n0]), acc, input_precision=PRECISION)
+    y_desc.store([row0, n0], acc)

@@ -16,11 +16,14 @@ Endpoints (JSON unless stated; errors are ``{"error": {"message", "type", "param
 - ``GET /v1/videos/{id}/content``: the mp4 (404 until completed, 410 once its file is gone).
 - ``DELETE /v1/videos/{id}``: cancel a queued or in-progress job (the job object); for a
   finished job delete it and its files (``{"id", "object": "video.deleted", "deleted"}``).
+- ``GET /v1/models``: ``{"object": "list", "data": [model]}``, the served model's
+  `ServeSpec.model_card` (its presets and defaults).
+- ``GET /`` (no key needed): the web page (`headmoe.serve.page`), on this API.
 - ``GET /health`` (never authenticated): 200 ``{"status": "ok"}``; 503 while loading or
   draining. ``GET /metrics``: Prometheus text.
 
-With an API key every endpoint but ``/health`` needs ``Authorization: Bearer <key>`` (401
-otherwise).
+With an API key every endpoint but ``/health`` and the page's files needs
+``Authorization: Bearer <key>`` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
 from starlette.requests import ClientDisconnect
 
-from headmoe.serve import http, images
+from headmoe.serve import http, images, page
 from headmoe.serve.http import BODY_TIMEOUT_S
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import Draining, Job, JobStore, QueueFull
@@ -87,7 +90,13 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
 
     api = APIRouter(dependencies=[Depends(auth)])
     _add_video_routes(api, store, spec)
+
+    @api.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [spec.model_card()]})
+
     app.include_router(api)
+    page.add_page(app)
     return app
 
 
@@ -132,7 +141,7 @@ async def _request_and_image(request: Request, spec: ServeSpec) -> tuple[Any, An
     req = admitted.request
     if data is None:
         return admitted, None
-    if spec.deployment.release is None or spec.deployment.release.image_encoder is None:
+    if not spec.takes_images:
         raise RequestError(f"{param}: this server's model has no image encoder (a release "
                            "folder's vae/Wan2.2_VAE.pth)", param)
     return admitted, await _decode(request, spec, data, req, param)

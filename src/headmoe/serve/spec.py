@@ -8,17 +8,22 @@ client data).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from headmoe.config import check_positive_int, check_positive_number, is_int
 from headmoe.models.magi2.config import PRESETS
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.job import GenerateJob
-from headmoe.pipeline.recipe import RELEASED
+from headmoe.pipeline.recipe import REFINER_RESOLUTIONS, RELEASED, RESOLUTIONS
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.released import RELEASED_MODEL_ID
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.release.components import magi2_components
+
+#: the recipe's defaults `ServeSpec.model_card` lists (the fields the web page's form shows)
+_CARD_DEFAULTS = ("negative_prompt", "seed", "num_inference_steps", "height", "width",
+                  "num_frames", "fps", "guidance_scale", "audio_guidance_scale", "shift")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,6 +76,36 @@ class ServeSpec:
         if self.deployment.model in (*PRESETS, "tiny"):
             names.append(self.deployment.model)
         return tuple(dict.fromkeys(names))
+
+    @property
+    def takes_images(self) -> bool:
+        """The model has an image encoder (a release folder's ``vae/Wan2.2_VAE.pth``), so
+        requests may carry an image-to-video image."""
+        release = self.deployment.release
+        return release is not None and release.image_encoder is not None
+
+    def model_card(self) -> dict[str, object]:
+        """The served model as ``GET /v1/models`` lists it (the web page's form is built
+        from it): ``id`` (the first of `model_names`), the ``names`` a request's ``model``
+        may give, the ``resolutions`` presets a request may name (``"WxH"`` of the clip;
+        a refiner preset, 1080p, the refiner's size, only where the refiner stage runs),
+        whether it takes an ``image`` and runs the ``refiner``, and the recipe's
+        ``defaults`` of the fields a request leaves out (with ``size`` and ``seconds``)."""
+        dep = self.deployment
+        recipe = dep.recipe
+        refiner = dep.refiner_config is not None
+        defaults = {k: recipe.default(k, dep.device) for k in _CARD_DEFAULTS}
+        height, width = cast(int, defaults["height"]), cast(int, defaults["width"])
+        frames, fps = cast(int, defaults["num_frames"]), cast(float, defaults["fps"])
+        names = self.model_names
+        return {
+            "id": names[0] if names else recipe.name, "object": "model", "owned_by": "headmoe",
+            "names": list(names),
+            "resolutions": {name: f"{w}x{h}" for name, (h, w) in RESOLUTIONS.items()
+                            if refiner or name not in REFINER_RESOLUTIONS},
+            "image": self.takes_images, "refiner": refiner,
+            "defaults": {**defaults, "size": f"{width}x{height}", "seconds": frames / fps},
+        }
 
     def job(self, request: GenerateRequest, output: str | None, extra: dict[str, object],
             image: ReferenceImage | None = None,

@@ -46,9 +46,9 @@ from headmoe.distributed.exchange import (
     ulysses_heads_to_seq,
     ulysses_qkv_to_heads,
 )
-from headmoe.layers.activations import sigmoid, swiglu7
+from headmoe.layers.activations import sigmoid
 from headmoe.layers.attention import segment_attention
-from headmoe.layers.linear import Linear, ModalityLinear
+from headmoe.layers.linear import Fusion, Linear, LinearInput, ModalityLinear
 from headmoe.layers.mhc import mhc_input, mhc_mix, mhc_update
 from headmoe.layers.norms import ModalityRMSNorm, RMSNorm
 from headmoe.layers.rope import apply_rope, default_bands
@@ -97,11 +97,12 @@ class Attention(nn.Module):
         self.q_norm = ModalityRMSNorm(m, d, eps)
         self.k_norm = ModalityRMSNorm(m, d, eps)
 
-    def _qkv(self, x: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+    def _qkv(self, x: LinearInput, plan: ForwardPlan) -> torch.Tensor:
         """Normed, rotated q, k, v `[T_local, 3, Hq, D]` in the model dtype (KV heads
         repeated for GQA: query head h reads KV head h // (Hq/Hkv))."""
-        t, d, hq, hkv = x.shape[0], self.head_dim, self.hq, self.hkv
+        d, hq, hkv = self.head_dim, self.hq, self.hkv
         qkv = self.linear_qkv(x, plan.groups)
+        t = qkv.shape[0]
         q = qkv[:, : hq * d].view(t, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
@@ -114,7 +115,7 @@ class Attention(nn.Module):
     def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` (model dtype) -> `[T_local, C]` fp32."""
         t, par = u.shape[0], plan.parallel
-        x = self.pre_norm(u, plan.modality)
+        x = self.pre_norm.folded(u, plan.modality, plan.groups)
         gate = self.linear_g(x, plan.groups)
         qkv = self._qkv(x, plan)
         if par.sp > 1:
@@ -124,8 +125,8 @@ class Attention(nn.Module):
         o = segment_attention(qkv, plan.segments, sinks, 1.0 / math.sqrt(self.head_dim))
         if par.sp > 1:
             o = ulysses_heads_to_seq(o, par.sp_group, par.counts, counters=par.counters)
-        o = o.float() * sigmoid(gate)[:, :, None]
-        out: torch.Tensor = self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups)
+        out: torch.Tensor = self.linear_proj(o.reshape(t, self.hq * self.head_dim), plan.groups,
+                                             Fusion(gate=sigmoid(gate)))
         return out
 
 
@@ -143,8 +144,10 @@ class DenseMLP(nn.Module):
 
     def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
-        n = self.pre_norm(u, plan.modality)
-        out: torch.Tensor = self.down_proj(swiglu7(self.up_gate_proj(n, plan.groups)), plan.groups)
+        n = self.pre_norm.folded(u, plan.modality, plan.groups)
+        dtype = self.down_proj.weight.dtype
+        h = self.up_gate_proj(n, plan.groups, Fusion(swiglu=True, out_dtype=dtype))
+        out: torch.Tensor = self.down_proj(h, plan.groups)
         return out
 
 
@@ -187,14 +190,16 @@ class MoEMLP(nn.Module):
 
     def forward(self, u: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
         """u `[T_local, C]` -> `[T_local, C]` fp32."""
-        n = self.pre_norm(u, plan.modality)
-        z = self.split_linear(n).to(self.dtype)
+        n = self.pre_norm.folded(u, plan.modality, plan.groups)
+        act = Fusion(swiglu=True, out_dtype=self.dtype)
+        z = self.split_linear(n, Fusion(out_dtype=self.dtype))
         moe = self.moe_mlp(z, plan.parallel)
         routed: torch.Tensor = self.merge_linear(moe)
-        shared = self.shared_expert_fc2(swiglu7(self.shared_expert_fc1(n)))
-        h = self.modality_specific_shared_expert_fc1(n, plan.groups)
-        modal = self.modality_specific_shared_expert_fc2(swiglu7(h), plan.groups)
-        out: torch.Tensor = routed + shared + modal
+        # routed + shared + modal, each sum in the next product's epilogue (same order)
+        shared = self.shared_expert_fc2(self.shared_expert_fc1(n, act), Fusion(add=routed))
+        h = self.modality_specific_shared_expert_fc1(n, plan.groups, act)
+        out: torch.Tensor = self.modality_specific_shared_expert_fc2(h, plan.groups,
+                                                                     Fusion(add=shared))
         return out
 
 
