@@ -41,8 +41,9 @@ failure or the budget running out loses only the rest of that section:
     3072) against the eager torch definition: error, rows alone vs in the batch, time.
 (i) FP8 routed experts, W8A16 (`headmoe.moe.triton_fp8`, docs/fp8.md) at the section (c)
     shapes: against the torch FP8 path (`experts_fp8`), the hardware's E4M3
-    widening vs the bit-operation one (same bits), sub-batch rows, and TFLOP/s and weight
-    bytes/s beside the bf16 kernels on the same routes.
+    widening vs the bit-operation one (same bits), sub-batch rows, the MoE layer in the
+    FP8 format (`Fp8Experts`) taking the W8A16 kernels, and TFLOP/s and weight bytes/s
+    beside the bf16 kernels on the same routes.
 (j) the fused expert tile (`expert_tile_kernel`, the default) against the two-kernel path
     (`gate_up_kernel` + `down_kernel`, `MoETiles(fused=False)`) at the section (c) shapes:
     rows that differ and the largest difference (rounding only), rows alone vs in the
@@ -427,14 +428,19 @@ def check_nan_rows(ctx: Ctx, inp: dict[str, Any]) -> None:
                    "ids ok, 0", ok_ids and bad == 0)  # fmt: skip
 
 
+def moe_layer_config(ctx: Ctx) -> MoEConfig:
+    """The `MoEConfig` of one MoE layer at the run's per-rank shapes."""
+    sh = ctx.sh
+    return MoEConfig(hidden_size=sh.heads * sh.d, num_heads=sh.heads, num_experts=sh.experts,
+                     top_k=sh.top_k, expert_intermediate_size=sh.f, route_scale=4.9,
+                     dtype=ctx.dtype)  # fmt: skip
+
+
 def check_layer_dispatch(ctx: Ctx) -> None:
     """`MultiHeadMoE` on this device takes the Triton path: same bits as the kernels."""
     sh = ctx.sh
-    cfg = MoEConfig(hidden_size=sh.heads * sh.d, num_heads=sh.heads, num_experts=sh.experts,
-                    top_k=sh.top_k, expert_intermediate_size=sh.f, route_scale=4.9,
-                    dtype=ctx.dtype)  # fmt: skip
     inp = moe_inputs(ctx, 64, seed=3)
-    moe = MultiHeadMoE(cfg).to(ctx.device)
+    moe = MultiHeadMoE(moe_layer_config(ctx)).to(ctx.device)
     for p, src in zip((moe.W_gate, moe.W_up, moe.W_down), inp["weights"]):
         p.copy_(src)
     moe.gate.copy_(inp["gate"])
@@ -872,6 +878,29 @@ def check_fp8(ctx: Ctx) -> None:
                    f"{diff} rows differ", "0 rows differ", diff == 0)  # fmt: skip
 
 
+def check_fp8_layer(ctx: Ctx) -> None:
+    """`MultiHeadMoE` in the FP8 format (`Fp8Experts`, what ``--expert-format fp8``
+    builds) on this device takes the W8A16 kernels: same bits as calling them."""
+    from headmoe.moe.fp8_format import SCALE_SUFFIX, VALUES, Fp8Experts
+    from headmoe.moe.triton_fp8 import experts_triton_fp8
+
+    sh = ctx.sh
+    inp = moe_inputs(ctx, 64, seed=5)
+    q = fp8_weights(inp["weights"])
+    moe = MultiHeadMoE(moe_layer_config(ctx), experts=Fp8Experts()).to(ctx.device)
+    for name, x in zip(VALUES, q):
+        getattr(moe, name).copy_(x.data)
+        getattr(moe, name + SCALE_SUFFIX).copy_(x.scale)
+    moe.gate.copy_(inp["gate"])
+    moe.router.expert_bias.copy_(inp["bias"])
+    with forced_triton(ctx.dry):
+        got = moe(inp["z"].reshape(64, -1)).view(64, sh.heads, sh.d)
+    ids, w = routes(ctx, inp)
+    bad = mismatched_rows(got, experts_triton_fp8(inp["z"], ids, w, *q))
+    ctx.report.add("i", "MultiHeadMoE(Fp8Experts) on this device = W8A16 kernels", "64 tok",
+                   f"{bad} rows differ", "0", bad == 0)  # fmt: skip
+
+
 def bench_fp8_tokens(ctx: Ctx, n: int) -> None:
     """bf16 and W8A16 experts on the same routes: TFLOP/s and weight bytes streamed / s."""
     from headmoe.moe.triton_fp8 import experts_triton_fp8
@@ -897,6 +926,7 @@ def bench_fp8_tokens(ctx: Ctx, n: int) -> None:
 
 def section_fp8(ctx: Ctx) -> None:
     check_fp8(ctx)
+    check_fp8_layer(ctx)
     for n in ctx.sh.moe_tokens:
         bench_fp8_tokens(ctx, n)
 

@@ -155,6 +155,29 @@ def test_one_memory_estimate_for_every_entry_point(spec):
         want.activations, want.workspace, want.decode)
 
 
+def test_the_estimate_counts_the_deployments_expert_format(spec):
+    """An FP8 deployment's estimate counts FP8 expert bytes (the planner's, per format);
+    no device check refuses FP8 (W8A16 runs wherever the bf16 experts run)."""
+    import dataclasses
+
+    from headmoe.models.refiner import refiner_weight_bytes
+    from headmoe.planner.memory import estimate_memory
+
+    dep = spec.deployment
+    got = {}
+    for fmt in ("bf16", "fp8"):
+        admitted = admission.admit({"prompt": "a fox"}, dataclasses.replace(dep, expert_format=fmt))
+        req = admitted.request
+        want = estimate_memory(dep.model_config, admitted.shape, dep.parallel, req.torch_dtype,
+                               (req.num_frames, req.height, req.width), req.audio_samples(44100),
+                               experts=fmt)
+        resident = refiner_weight_bytes(dep.refiner_config, req.torch_dtype)
+        assert admitted.estimate.weights == want.weights + resident, fmt
+        got[fmt] = admitted.estimate
+    assert got["fp8"].weights < got["bf16"].weights
+    assert got["bf16"].activations == got["fp8"].activations
+
+
 def test_schedule_refuses_a_bool_shift():
     """The sampler's schedule refuses ``shift=True`` (an inline integer test there once
     took it; `tests/test_rules.py` checks that no inline copy of `is_int` is left)."""

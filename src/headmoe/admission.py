@@ -24,8 +24,18 @@ What it owns, in the order it checks:
 5. the seed range of the job (data-parallel group k uses seed + k, all below 2**63);
 6. the text tokens of both prompts, counted by the deployment's tokenizer (the release's,
    capped at its 7,000-token limit), for
-7. the one memory estimate (`headmoe.planner.memory.estimate_memory`) against the one
-   budget (`headmoe.deployment.memory_budget`, the `Deployment`'s).
+7. the one memory estimate (`headmoe.planner.memory.estimate_memory`, the routed experts
+   counted in the deployment's ``expert_format``) against the one budget
+   (`headmoe.deployment.memory_budget`, the `Deployment`'s).
+
+The expert format needs no device check, by design: FP8 experts (``expert_format="fp8"``)
+are W8A16 (bf16 activations, FP8 weights widened to the activation dtype, fp32
+accumulation), which runs wherever the bf16 experts run. On CPU, and on CUDA without
+triton, the torch path (`headmoe.moe.fp8_experts.experts_fp8`) widens in torch; the
+Triton kernels widen with the hardware's conversion on sm_89+ and with integer bit
+operations below (`headmoe.moe.triton_fp8.native_fp8`, the one place the capability is
+read; both widenings exact, so the same bits). So no request is refused for its device's
+FP8 support; W8A8 (FP8 tensor cores, sm_89+) would add the first such refusal here.
 """
 
 from __future__ import annotations
@@ -339,7 +349,8 @@ def admit(given: Mapping[str, object], dep: Deployment, origin: str = GIVEN_BY_F
                       "on the GPU, but no CUDA device is available here; use "
                       "noise_device='cpu'")
     est = estimate_memory(dep.model_config, shape, dep.parallel, req.torch_dtype,
-                          (req.num_frames, req.height, req.width), samples, stream=stream_of(dep))
+                          (req.num_frames, req.height, req.width), samples, stream=stream_of(dep),
+                          experts=dep.expert_format)
     refiner = refiner_stage(given)
     if refiner is None:
         est = _with_resident_refiner(est, dep, req)

@@ -142,16 +142,23 @@ def plan_deployment(opts: DeploymentOptions) -> Deployment:
     size, or `model_config_of`'s), "cuda" ranks (the recipe's GPU defaults), the
     budget of ``max_memory_gib`` (0: no limit), the layer streaming, ``offload`` and the
     released refiner's configuration (the refiner stage it prices). Nothing is read but
-    configuration files."""
+    configuration files and, for a release folder, its transformer's tensor names (the
+    experts' stored format: ``expert_format`` left out plans that format, and
+    `check_expert_stream` refuses what ``generate`` would; a preset plans bf16 unless
+    told)."""
     model_config = get_config(opts.model) if opts.model in PRESETS else model_config_of(opts)
     check_stream(opts.offload_layers, opts.resident_layers, model_config.num_layers)
+    folder = opts.model not in PRESETS and rel.is_release_folder(opts.model)
+    checkpoint = rel.transformer_file(Path(opts.model).expanduser()) if folder else None
+    expert_format = check_expert_format(opts.expert_format or DEFAULT_EXPERT_FORMAT) \
+        if checkpoint is None else check_expert_stream(
+            opts, stored_expert_format(checkpoint), checkpoint)
     return Deployment(
         model_config=model_config, model=opts.model, parallel=opts.parallel, device="cuda",
         budget=memory_budget(opts.max_memory_gib, opts.budget_flag, 1, "cuda"),
         describe=f"--model {opts.model} (config {model_config.name})", offload=opts.offload,
         offload_layers=opts.offload_layers, resident_layers=opts.resident_layers,
-        expert_format=check_expert_format(opts.expert_format or DEFAULT_EXPERT_FORMAT),
-        refiner_config=get_refiner_config(PLANNED_REFINER))
+        expert_format=expert_format, refiner_config=get_refiner_config(PLANNED_REFINER))
 
 
 def check_expert_stream(opts: DeploymentOptions, stored: str, checkpoint: str) -> str:

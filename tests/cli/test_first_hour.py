@@ -39,19 +39,22 @@ def _printed_command(argv, capsys):
     return shlex.split(line.removeprefix("Run it with: "))
 
 
-@pytest.mark.parametrize("world", [1, 2, 8])
-@pytest.mark.parametrize("stream", [False, True])
-def test_plans_printed_command_runs_the_plan(world, stream, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("world, stream, fmt", [
+    *((w, s, None) for w in (1, 2, 8) for s in (False, True)), (2, False, "fp8")])
+def test_plans_printed_command_runs_the_plan(world, stream, fmt, tmp_path, capsys, monkeypatch):
     import headmoe.pipeline.job as job_module
     from headmoe.release import folder as release
 
     folder = release.tiny_release(tmp_path / "cache")
     flags = ["--offload-layers", "--resident-layers", "1"] if stream else []
+    flags += ["--expert-format", fmt] if fmt else []
     command = _printed_command(["plan", "--model", str(folder), "--world-size", str(world),
                                 "--text-tokens", "8", *flags], capsys)
     assert command[:2] == ["headmoe", "generate"] and command[command.index("--model") + 1] \
         == str(folder), command
     assert ("--offload-layers" in command) == stream and ("--resident-layers" in command) == stream
+    assert ("--expert-format" in command) == (fmt is not None) and (
+        fmt is None or command[command.index("--expert-format") + 1] == fmt), command
     jobs = []
     monkeypatch.setattr(generate_cli, "launch_local", lambda fn, n, a: jobs.append((n, a[0])) or [])
     monkeypatch.setattr(job_module, "run_job", lambda ctx, job: jobs.append((1, job)) or
@@ -61,6 +64,7 @@ def test_plans_printed_command_runs_the_plan(world, stream, tmp_path, capsys, mo
     (n, job), = jobs
     assert n == world == job.parallel.world_size
     assert job.offload_layers == stream and job.resident_layers == (1 if stream else 0)
+    assert job.expert_format == (fmt or "bf16")
     req = job.request
     assert (req.height, req.width, req.num_frames) == (64, 96, 13)  # the tiny recipe's
 
@@ -189,3 +193,22 @@ def test_openmp_threads_sleep_unless_the_environment_says_otherwise():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**env, "OMP_WAIT_POLICY": "ACTIVE"})
     assert out.stdout.split() == ["ACTIVE", "0"], out
+
+
+def test_plan_takes_a_folders_expert_format_and_refuses_what_generate_would(tmp_path, capsys):
+    """A bf16 folder: FP8 with streamed layers is refused as generate refuses it; its
+    `headmoe quantize` copy plans FP8 without the flag and prints it in the command."""
+    from headmoe.release import folder as release
+    from headmoe.release.quantize import quantize_release
+
+    folder = release.tiny_release(tmp_path / "cache")
+    plan = ["plan", "--world-size", "2", "--text-tokens", "8"]
+    assert main([*plan, "--model", str(folder), "--expert-format", "fp8",
+                 "--offload-layers"]) != 0
+    err = capsys.readouterr().err
+    assert "offload_layers" in err and "expert_format='fp8'" in err, err
+    fp8 = quantize_release(folder, tmp_path / "fp8")
+    command = _printed_command([*plan, "--model", str(fp8), "--offload-layers"], capsys)
+    assert command[command.index("--expert-format") + 1] == "fp8", command
+    assert main([*plan, "--model", str(fp8), "--expert-format", "bf16"]) != 0
+    assert "contradicts" in capsys.readouterr().err

@@ -46,7 +46,11 @@ def test_dry_run_passes_every_check_and_writes_the_report(tmp_path, interpreted)
     assert [k.split(" | ")[-1] for k in proof] == ["math (dry stand-in)"]
     assert any(r[0] == "0" and "shared=" in r[3] and "/232,448" in r[3] for r in rows)
     assert sum(r[0] == "f" and "streamed output == resident output" in r[1] for r in checks) == 2
-    assert sum(r[0] == "i" for r in checks) == 4  # FP8: error, two widenings, rows
+    assert sum(r[0] == "i" for r in checks) == 5  # FP8: error, two widenings, rows, layer
+    assert any(r[0] == "i" and "Fp8Experts" in r[1] for r in checks)
+    fp8 = [r for r in rows if r[0] == "i" and r[1].startswith("experts, ")]
+    assert len(fp8) == 2 * len(gpu_check.DRY.moe_tokens), fp8  # bf16 and FP8 per count
+    assert all(r[3] == "ran (dry)" for r in fp8), fp8  # timed (TFLOP/s, GB/s) on a GPU only
 
 
 def test_a_failing_section_leaves_a_complete_report(tmp_path, interpreted, capsys):  # noqa: F811

@@ -139,6 +139,36 @@ def test_expert_weight_bytes_by_hand():
     assert expert == 36 * 3072 * (256 + 3 * 256 * 1280 + 2) * 4
 
 
+def test_fp8_expert_weight_bytes_by_hand():
+    # FP8 experts: 1 byte per weight plus an fp32 scale per (row, output channel):
+    # W_gate/W_up scales [rows, 64], W_down's [rows, 32]; router gate and biases unchanged
+    per_row = (32 + 2) * 4 + 3 * 32 * 64 + (64 + 64 + 32) * 4
+    assert weight_bytes(TINY, 1, 0, torch.float32, "fp8")[0] == 2 * 96 * per_row
+    assert weight_bytes(TINY, 8, 7, torch.float32, "fp8")[0] == 2 * 16 * per_row
+    bf16, fp8 = (weight_bytes(PREVIEW, 1, 0, torch.bfloat16, f) for f in ("bf16", "fp8"))
+    d, f, rows = 256, 1280, 36 * 3072
+    assert bf16[0] - fp8[0] == rows * (3 * d * f * 2 - 3 * d * f - (2 * f + d) * 4)
+    assert bf16[1] - bf16[0] == fp8[1] - fp8[0]  # everything else keeps the model dtype
+
+
+@pytest.mark.parametrize("height, width", [(256, 448), (512, 896)])
+def test_fp8_plan_names_a_two_gpu_layout_bf16_cannot(height, width):
+    from headmoe.planner import plan_world
+
+    request = RequestShape.from_media(height=height, width=width, num_frames=125, fps=12.5,
+                                      text_tokens=250, uncond_text_tokens=250)
+    with pytest.raises(ValueError, match="fits no layout"):
+        plan_world(PREVIEW, request, 2, torch.bfloat16, memory_bytes=80 << 30)
+    plans, _ = plan_world(PREVIEW, request, 2, torch.bfloat16, memory_bytes=80 << 30,
+                          experts="fp8")
+    best = next(p for p in plans if p.recommended)
+    assert best.name == "sp2" and best.expert_format == "fp8"
+    bf16 = {p.name: p.weight_bytes_per_rank for p in plan_world(
+        PREVIEW, request, 2, torch.bfloat16)[0]}
+    for p in plans:  # 52.9% (EP1) and 55.0% (EP2) of bf16's bytes per rank
+        assert 0.52 < p.weight_bytes_per_rank / bf16[p.name] < 0.56, p.name
+
+
 def test_plan_cli_table_and_errors(capsys):
     assert main(["--model", "tiny", "--world-size", "4", "--height", "64", "--width", "96",
                  "--num-frames", "13", "--text-tokens", "8", "--dtype", "fp32"]) == 0

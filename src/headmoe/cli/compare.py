@@ -38,6 +38,7 @@ from headmoe.deployment import build_deployment
 from headmoe.distributed.counters import Counters
 from headmoe.errors import RuntimeFault, UserError
 from headmoe.models.magi2.config import PRESETS, get_config
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.layouts import layout_name, parse_layout
 from headmoe.planner.memory import StreamSettings, streamed_counts
@@ -174,7 +175,8 @@ def predicted_summary(
     if side["layout"].get("offload_layers"):  # --offload-layers: the weight bytes moved
         ep = layout_topology(model, parallel).coords(rank).ep
         streamed = streamed_counts(model, parallel.resolved_expert_parallel_size(), ep, dtype,
-                                   StreamSettings(side["layout"]["resident_layers"]), steps)
+                                   StreamSettings(side["layout"]["resident_layers"]), steps,
+                                   side["model"].get("expert_format", DEFAULT_EXPERT_FORMAT))
     return Counters(one.moe_rows * steps, one.exchanges * steps, streamed).summary()
 
 

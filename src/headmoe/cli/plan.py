@@ -21,13 +21,15 @@ from headmoe.cli.errors import UserError, run_guarded
 from headmoe.config import GIB, MIB, ParallelConfig
 from headmoe.deployment import MAX_BUDGET_GIB, build_deployment, stream_of
 from headmoe.models.magi2.config import PRESETS
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT
 from headmoe.pipeline.deployment import UNCHECKED, Deployment
 from headmoe.pipeline.recipe import RESOLUTIONS
 from headmoe.pipeline.request import DTYPES
 from headmoe.planner.components import component_bytes
-from headmoe.planner.memory import DEFAULT_H2D_GBPS
+from headmoe.planner.memory import DEFAULT_H2D_GBPS, StreamSettings, estimate_memory
 from headmoe.planner.plan import LayoutPlan, plan_world
 from headmoe.planner.request import RequestShape
+from headmoe.release import audio_vae
 
 #: the largest world `plan` enumerates (its layouts grow with the divisors; 4096 ranks take
 #: seconds)
@@ -280,8 +282,8 @@ PRESET_FOLDERS = {"magi2-preview": "/path/to/MAGI-2-preview"}
 
 def run_command(args: argparse.Namespace, plan: LayoutPlan, offload: bool) -> list[str]:
     """The command line that runs ``plan`` as `plan` sized it (argv): the layout, the model,
-    the request's size and frames, the dtype, the components' and layers' placement and the
-    refiner stage; `--nproc` on one node, torchrun over ``NODE_RANKS`` (or
+    the request's size and frames, the dtype, the experts' format, the components' and
+    layers' placement and the refiner stage; `--nproc` on one node, torchrun over ``NODE_RANKS`` (or
     ``--ranks-per-node``) ranks per node for a larger world."""
     node = args.ranks_per_node or min(args.world_size, NODE_RANKS)
     layout = layout_argv(plan)
@@ -300,6 +302,8 @@ def run_command(args: argparse.Namespace, plan: LayoutPlan, offload: bool) -> li
     argv = [*head, "generate", "--model", model, "--prompt", PLACEHOLDER_PROMPT, *size,
             "--num-frames", str(shape["num_frames"]), "--fps", f"{shape['fps']:g}",
             "--dtype", args.dtype, *layout]
+    if plan.expert_format != DEFAULT_EXPERT_FORMAT:
+        argv += ["--expert-format", plan.expert_format]
     for flag in ("refiner_height", "refiner_width", "refiner_steps"):
         if getattr(args, flag) is not None:
             argv += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
@@ -390,13 +394,15 @@ def format_stream_table(plans: list[LayoutPlan]) -> str:
 
 def print_text(args: argparse.Namespace, model: Any, request: RequestShape, parts: Any,
                plans: list[LayoutPlan], reason: str, streamed: bool, over: bool,
-               command: list[str]) -> None:
+               command: list[str], need: int = 0) -> None:
     """The plan as text: the request and components, the layouts table with the command
     that runs the recommendation, the streaming table (`--offload-layers`), and the note on
-    components over the budget (``over``: the command has --offload for it)."""
+    components over the budget (``over``: the command has --offload for it; ``need``: the
+    busiest rank's bytes then, `device_need`)."""
     image = getattr(args, "image", False)
     print(
-        f"model {model.name}, world {args.world_size}, dtype {args.dtype}; per branch "
+        f"model {model.name}, world {args.world_size}, dtype {args.dtype}, "
+        f"{plans[0].expert_format} routed experts; per branch "
         f"{request.video_tokens} video + {request.audio_tokens} audio + "
         f"{request.text_tokens[0]}/{request.text_tokens[1]} text tokens (cond/uncond)\n"
         f"components (device bytes when loaded): text encoder "
@@ -416,12 +422,26 @@ def print_text(args: argparse.Namespace, model: Any, request: RequestShape, part
               "page cache of the checkpoint's streamed bytes the node's ranks read, "
               "once, plus each rank's pinned slots):\n")
         print(format_stream_table(plans))
-    best = next(p for p in plans if p.recommended)
     if over:
         print(f"\nNote: with the text encoder and decoders on the device its busiest rank "
-              f"holds {best.busiest_rank_bytes / GIB:,.1f} GiB, over --memory-gib "
+              f"needs {need / GIB:,.1f} GiB (weights, activations, workspace, decode and "
+              f"components), over --memory-gib "
               f"{args.memory_gib:g}: the command above has --offload (components on the host "
               "between uses).")
+
+
+def device_need(admitted: Admitted, dep: Deployment, plan: LayoutPlan,
+                stream: StreamSettings | None) -> int:
+    """Bytes the busiest rank of ``plan``'s layout needs with the components on the device:
+    generate's admission estimate for that layout (`estimate_memory`: weights, activations,
+    workspace, decode; the experts in ``dep.expert_format``) plus the text encoder and the
+    decoders (rank 0 holds both)."""
+    req = admitted.request
+    est = estimate_memory(dep.model_config, admitted.shape, plan.parallel, req.torch_dtype,
+                          (req.num_frames, req.height, req.width),
+                          req.audio_samples(audio_vae.OUTPUT_SAMPLE_RATE), stream=stream,
+                          experts=dep.expert_format)
+    return est.total + plan.text_encoder_bytes + plan.decoder_bytes
 
 
 def check_model_arg(args: argparse.Namespace) -> None:
@@ -461,15 +481,18 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--h2d-gbps must be > 0 GB/s, got {args.h2d_gbps}")
     memory = dep.budget.limit
     plans, reason = plan_world(model, request, args.world_size, DTYPES[args.dtype], memory,
-                               parts, args.ranks_per_node, dep.offload, stream, args.h2d_gbps)
+                               parts, args.ranks_per_node, dep.offload, stream, args.h2d_gbps,
+                               dep.expert_format)
     refiner_data, refiner_text = refiner_section(args, request, plans, admitted.refiner,
                                                  dep.refiner_config)
     best = next(p for p in plans if p.recommended)
-    over = memory is not None and best.busiest_rank_bytes > memory and not args.offload
+    need = device_need(admitted, dep, best, stream)
+    over = memory is not None and need > memory and not args.offload
     command = run_command(args, best, args.offload or over)
     if args.json:
         print(json.dumps({
             "model": model.name, "world_size": args.world_size, "dtype": args.dtype,
+            "expert_format": dep.expert_format,
             "request": request.to_dict(),
             "components": {
                 "text_encoder_bytes": parts.text_encoder,
@@ -483,7 +506,8 @@ def run(args: argparse.Namespace) -> int:
             "recommendation": reason, "command": command, "command_line": command_text(command),
             "layouts": [p.to_dict() for p in plans], "refiner": refiner_data}, indent=2))
         return 0
-    print_text(args, model, request, parts, plans, reason, stream is not None, over, command)
+    print_text(args, model, request, parts, plans, reason, stream is not None, over, command,
+               need)
     if refiner_text:
         print("\n" + refiner_text)
     return 0

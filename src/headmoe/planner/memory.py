@@ -35,6 +35,7 @@ from headmoe.distributed.topology import Topology
 from headmoe.models.magi2.config import Magi2Config
 from headmoe.models.magi2.loading import LOAD_BATCH_BYTES
 from headmoe.models.streaming import DEFAULT_SLOTS, check_slots, split_layers
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT
 from headmoe.planner.predict import (
     expert_bytes_per_head,
     layer_bytes,
@@ -90,56 +91,63 @@ class StreamEstimate:
 
 
 def stream_estimate(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch.dtype,
-                    settings: StreamSettings) -> StreamEstimate:
-    """`StreamEstimate` of EP rank `ep_rank` of `ep_size` (exact: the modules as built and
-    the streamer's slot rule). Raises `ValueError` naming `resident_layers`."""
+                    settings: StreamSettings, experts: str = DEFAULT_EXPERT_FORMAT
+                    ) -> StreamEstimate:
+    """`StreamEstimate` of EP rank `ep_rank` of `ep_size`, the routed experts in format
+    `experts` (exact: the modules as built and the streamer's slot rule). Raises
+    `ValueError` naming `resident_layers`."""
     resident, streamed = split_layers(model.num_layers, settings.resident_layers)
-    per_layer = layer_bytes(model, ep_size, ep_rank, dtype)
+    per_layer = layer_bytes(model, ep_size, ep_rank, dtype, experts)
     layers = sum(b for b, _ in per_layer)
     slot = max((per_layer[i][1] for i in streamed), default=0)
     slots = min(settings.slots, len(streamed)) * slot
     moved = sum(per_layer[i][0] for i in streamed) if len(streamed) > settings.slots else 0
     return StreamEstimate(
         settings.slots, len(resident), len(streamed),
-        weight_bytes(model, ep_size, ep_rank, dtype)[1] - layers,
+        weight_bytes(model, ep_size, ep_rank, dtype, experts)[1] - layers,
         sum(per_layer[i][0] for i in resident), slots, moved, slots)
 
 
 def streamed_counts(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch.dtype,
-                    settings: StreamSettings, forwards: int) -> list[int]:
+                    settings: StreamSettings, forwards: int,
+                    experts: str = DEFAULT_EXPERT_FORMAT) -> list[int]:
     """The bytes `Counters.record_stream` records on EP rank `ep_rank` over `forwards`
     forwards, one entry per streamed layer run on a fresh fill: every streamed layer every
     forward, or the first forward only when the slots hold every streamed layer."""
     _, streamed = split_layers(model.num_layers, settings.resident_layers)
-    per_layer = layer_bytes(model, ep_size, ep_rank, dtype)
+    per_layer = layer_bytes(model, ep_size, ep_rank, dtype, experts)
     once = [per_layer[i][0] for i in streamed]
     return once * (forwards if len(streamed) > settings.slots else min(forwards, 1))
 
 
 def busiest_stream(model: Magi2Config, parallel: ParallelConfig, dtype: torch.dtype,
-                   settings: StreamSettings) -> StreamEstimate:
+                   settings: StreamSettings, experts: str = DEFAULT_EXPERT_FORMAT
+                   ) -> StreamEstimate:
     """The `StreamEstimate` of the EP rank with the most device weight bytes."""
     ep = parallel.resolved_expert_parallel_size()
-    return max((stream_estimate(model, ep, r, dtype, settings) for r in range(ep)),
+    return max((stream_estimate(model, ep, r, dtype, settings, experts) for r in range(ep)),
                key=lambda s: (s.device_weight_bytes, s.bytes_per_step))
 
 
 def stream_host_bytes(model: Magi2Config, parallel: ParallelConfig, dtype: torch.dtype,
-                      settings: StreamSettings, ranks_per_node: int) -> int:
+                      settings: StreamSettings, ranks_per_node: int,
+                      experts: str = DEFAULT_EXPERT_FORMAT) -> int:
     """Host bytes the busiest node needs to stream without reading the disk each step: the
     streamed layers' checkpoint bytes its ranks read, once (the page cache of the mapped
     files is shared by the node's ranks: dense weights once, the expert rows of every head
-    any of its ranks holds once), plus each rank's pinned host slots."""
+    any of its ranks holds once), plus each rank's pinned host slots. `experts`: the
+    routed experts' format, stored so in the checkpoint (streaming FP8 experts reads an FP8
+    checkpoint, `headmoe.deployment.check_expert_stream`)."""
     topo = layout_topology(model, parallel)
     stored = model.torch_params_dtype
     _, streamed = split_layers(model.num_layers, settings.resident_layers)
-    per_layer = layer_bytes(model, 1, 0, stored)
-    per_head = expert_bytes_per_head(model, stored)
+    per_layer = layer_bytes(model, 1, 0, stored, experts)
+    per_head = expert_bytes_per_head(model, stored, experts)
     heads = model.moe_num_heads
     dense = sum(per_layer[i][0] for i in streamed) - per_head * heads * sum(
         i in model.moe_layer_ids for i in streamed)
     moe_streamed = sum(i in model.moe_layer_ids for i in streamed)
-    pinned = busiest_stream(model, parallel, dtype, settings).pinned_bytes
+    pinned = busiest_stream(model, parallel, dtype, settings, experts).pinned_bytes
     worst = 0
     for first in range(0, topo.world_size, ranks_per_node):
         ranks = range(first, min(first + ranks_per_node, topo.world_size))
@@ -191,16 +199,17 @@ def _activation_bytes(model: Magi2Config, local: int, full: int, heads: int) -> 
 def estimate_memory(
     model: Magi2Config, request: RequestShape, parallel: ParallelConfig, dtype: torch.dtype,
     frames: tuple[int, int, int] = (0, 0, 0), audio_samples: int = 0,
-    stream: StreamSettings | None = None,
+    stream: StreamSettings | None = None, experts: str = DEFAULT_EXPERT_FORMAT,
 ) -> MemoryEstimate:
     """The busiest rank's `MemoryEstimate` for `request` under `parallel` (`frames`:
     (num_frames, height, width) of the decoded clip; `audio_samples` of the waveform;
-    `stream`: the layers stream, weights = `busiest_stream(...).device_weight_bytes`)."""
+    `stream`: the layers stream, weights = `busiest_stream(...).device_weight_bytes`;
+    `experts`: the routed experts' format, `headmoe.moe.formats.EXPERT_FORMATS`)."""
     ep = parallel.resolved_expert_parallel_size()
     if stream is not None:
-        weights = busiest_stream(model, parallel, dtype, stream).device_weight_bytes
+        weights = busiest_stream(model, parallel, dtype, stream, experts).device_weight_bytes
     else:
-        weights = max(weight_bytes(model, ep, r, dtype)[1] for r in range(ep))
+        weights = max(weight_bytes(model, ep, r, dtype, experts)[1] for r in range(ep))
     load = min(LOAD_BATCH_BYTES, weights)
     sp = parallel.ulysses_degree
     acts = work = 0

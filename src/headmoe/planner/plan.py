@@ -12,6 +12,7 @@ from headmoe.config import GIB, ParallelConfig, is_int
 from headmoe.distributed.counters import Counters
 from headmoe.distributed.sharding import sp_heads
 from headmoe.models.magi2.config import Magi2Config
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT
 from headmoe.planner.components import ComponentBytes, component_bytes_per_rank
 from headmoe.planner.layouts import enumerate_layouts, layout_name
 from headmoe.planner.memory import (
@@ -72,10 +73,12 @@ class StreamReport:
 def stream_report(model: Magi2Config, request: RequestShape, parallel: ParallelConfig,
                   dtype: torch.dtype, settings: StreamSettings, ranks_per_node: int,
                   h2d_gbps: float = DEFAULT_H2D_GBPS,
-                  memory_bytes: int | None = None) -> StreamReport:
-    """The `StreamReport` of one layout (the numbers `generate`'s admission check uses)."""
+                  memory_bytes: int | None = None,
+                  experts: str = DEFAULT_EXPERT_FORMAT) -> StreamReport:
+    """The `StreamReport` of one layout (the numbers `generate`'s admission check uses;
+    `experts`: the routed experts' format)."""
     def device(s: StreamSettings) -> MemoryEstimate:
-        return estimate_memory(model, request, parallel, dtype, stream=s)
+        return estimate_memory(model, request, parallel, dtype, stream=s, experts=experts)
 
     best = None
     if memory_bytes is not None:
@@ -83,9 +86,10 @@ def stream_report(model: Magi2Config, request: RequestShape, parallel: ParallelC
                if device(StreamSettings(n, settings.slots)).total <= memory_bytes]
         best = max(fit, default=None)
     est = device(settings)
-    return StreamReport(busiest_stream(model, parallel, dtype, settings), est.total,
+    return StreamReport(busiest_stream(model, parallel, dtype, settings, experts), est.total,
                         est.activations + est.workspace,
-                        stream_host_bytes(model, parallel, dtype, settings, ranks_per_node),
+                        stream_host_bytes(model, parallel, dtype, settings, ranks_per_node,
+                                          experts),
                         h2d_gbps, best)
 
 
@@ -129,6 +133,8 @@ class LayoutPlan:
     """Transformer + components on each rank (`headmoe.planner.components`)."""
     streaming: StreamReport | None = None
     """With `--offload-layers`: the streamed layout's device, host and copy numbers."""
+    expert_format: str = DEFAULT_EXPERT_FORMAT
+    """The routed experts' format the weight bytes count (`headmoe.moe.formats`)."""
 
     @property
     def fit_bytes(self) -> int:
@@ -162,6 +168,7 @@ class LayoutPlan:
             "bytes_sent_per_forward": self.bytes_sent_per_forward,
             "moe_all_to_all_peers": self.moe_peers,
             "ulysses_all_to_all_peers": self.ulysses_peers,
+            "expert_format": self.expert_format,
             "expert_weight_bytes_per_rank": self.expert_weight_bytes_per_rank,
             "weight_bytes_per_rank": self.weight_bytes_per_rank,
             "text_encoder_bytes": self.text_encoder_bytes,
@@ -177,12 +184,15 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
                 dtype: torch.dtype = torch.bfloat16, components: ComponentBytes | None = None,
                 ranks_per_node: int | None = None, offload: bool = False,
                 stream: StreamSettings | None = None, h2d_gbps: float = DEFAULT_H2D_GBPS,
-                memory_bytes: int | None = None) -> LayoutPlan:
+                memory_bytes: int | None = None,
+                experts: str = DEFAULT_EXPERT_FORMAT) -> LayoutPlan:
     """Predict one layout for one request (see `LayoutPlan`); `dtype` is the transformer's
     dtype (linears, experts and the activations they exchange). With `components` the
     text encoder and decoders are placed as the pipeline places them
     (`component_bytes_per_rank`; `ranks_per_node` defaults to the whole world). With
-    `stream` the layers stream (`stream_report`, at `h2d_gbps` and `memory_bytes`)."""
+    `stream` the layers stream (`stream_report`, at `h2d_gbps` and `memory_bytes`).
+    `experts`: the routed experts' format (`headmoe.moe.formats.EXPERT_FORMATS`; "fp8"
+    about halves the weight bytes)."""
     topo = layout_topology(model, parallel)
     moe_layers = len(model.moe_layer_ids)
     e = topo.expert_parallel_size
@@ -200,12 +210,12 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
     placement = places[0]
     auto = moe_placement(model, layout_topology(model, replace(parallel, moe_exchange="auto")),
                          0, sequence_counts(request, parallel, 0))
-    weights = [weight_bytes(model, e, ep, dtype) for ep in range(e)]
+    weights = [weight_bytes(model, e, ep, dtype, experts) for ep in range(e)]
     parts = components or ComponentBytes(0, 0, 0)
     node = ranks_per_node or topo.world_size
     held = component_bytes_per_rank(topo, parts, node, offload)
     streaming = None if stream is None else stream_report(
-        model, request, parallel, dtype, stream, node, h2d_gbps, memory_bytes)
+        model, request, parallel, dtype, stream, node, h2d_gbps, memory_bytes, experts)
     on_device = [w[1] for w in weights] if streaming is None else [
         streaming.estimate.device_weight_bytes] * e
     device = tuple(on_device[topo.coords(r).ep] + held[r] for r in range(topo.world_size))
@@ -231,6 +241,7 @@ def plan_layout(model: Magi2Config, request: RequestShape, parallel: ParallelCon
         decoder_bytes=0 if offload else parts.decoders,
         device_bytes_per_rank=device,
         streaming=streaming,
+        expert_format=experts,
     )
 
 
@@ -307,9 +318,11 @@ def plan_world(model: Magi2Config, request: RequestShape, world_size: int,
                memory_bytes: int | None = None, components: ComponentBytes | None = None,
                ranks_per_node: int | None = None, offload: bool = False,
                stream: StreamSettings | None = None,
-               h2d_gbps: float = DEFAULT_H2D_GBPS) -> tuple[list[LayoutPlan], str]:
+               h2d_gbps: float = DEFAULT_H2D_GBPS,
+               experts: str = DEFAULT_EXPERT_FORMAT) -> tuple[list[LayoutPlan], str]:
     """Every valid layout of `world_size` ranks (`enumerate_layouts`) planned for `request`
-    (components placed and layers streamed as in `plan_layout`), the recommended one
+    (components placed, layers streamed and experts in format `experts` as in
+    `plan_layout`), the recommended one
     flagged, and the reason."""
     if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a positive int (ranks in the world), got "
@@ -318,7 +331,7 @@ def plan_world(model: Magi2Config, request: RequestShape, world_size: int,
     if not layouts:
         raise ValueError(f"world_size={world_size} has no layout model {model.name!r} can run")
     plans = [plan_layout(model, request, p, dtype, components, ranks_per_node, offload,
-                         stream, h2d_gbps, memory_bytes) for p in layouts]
+                         stream, h2d_gbps, memory_bytes, experts) for p in layouts]
     best, reason = recommend(plans, memory_bytes)
     plans[best] = replace(plans[best], recommended=True)
     return plans, reason

@@ -39,6 +39,7 @@ from headmoe.models.refiner.config import Magi2RefinerConfig
 from headmoe.models.refiner.config import validate_parallel as validate_refiner_parallel
 from headmoe.models.refiner.schedule import refiner_schedule
 from headmoe.models.streaming import slot_layout
+from headmoe.moe.formats import DEFAULT_EXPERT_FORMAT, expert_format
 from headmoe.moe.layer import moe_dispatch
 from headmoe.planner.request import RequestShape
 
@@ -188,39 +189,44 @@ def _non_expert_bytes(model: Magi2Config, dtype: torch.dtype) -> int:
 
 
 @cache
-def weight_bytes(model: Magi2Config, ep_size: int, ep_rank: int,
-                 dtype: torch.dtype) -> tuple[int, int]:
+def weight_bytes(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch.dtype,
+                 experts: str = DEFAULT_EXPERT_FORMAT) -> tuple[int, int]:
     """(MoE expert bytes, all weight bytes) held by EP rank `ep_rank` of an EP group of
     `ep_size`: the parameters and buffers of the transformer's modules as built for that rank
-    (on the meta device: no memory, no process group). Weights depend on the layout only
-    through the EP degree and rank. Expert bytes are those of the `moe_mlp` modules (router
-    gate, expert weights including zero-padded heads, bias buffers) of every MoE layer."""
+    (on the meta device: no memory, no process group), the routed experts in the format
+    named `experts` (`headmoe.moe.formats.EXPERT_FORMATS`: "fp8" registers 1-byte values
+    and fp32 scales per (row, output channel)). Weights depend on the layout only through
+    the EP degree and rank. Expert bytes are those of the `moe_mlp` modules (router gate,
+    expert weights and scales including zero-padded heads, bias buffers) of every MoE layer."""
     with torch.device("meta"):
-        moe = MoEMLP(model, dtype, _context(model, ep_size, ep_rank)).moe_mlp
+        moe = MoEMLP(model, dtype, _context(model, ep_size, ep_rank),
+                     experts=expert_format(experts)).moe_mlp
     expert = len(model.moe_layer_ids) * _nbytes(moe)
     return expert, _non_expert_bytes(model, dtype) + expert
 
 
 @cache
-def layer_bytes(model: Magi2Config, ep_size: int, ep_rank: int,
-                dtype: torch.dtype) -> tuple[tuple[int, int], ...]:
+def layer_bytes(model: Magi2Config, ep_size: int, ep_rank: int, dtype: torch.dtype,
+                experts: str = DEFAULT_EXPERT_FORMAT) -> tuple[tuple[int, int], ...]:
     """Per layer `(bytes its tensors hold, slot bytes they need)` on EP rank `ep_rank` of an
-    EP group of `ep_size` (the modules as built, on the meta device; slot bytes by the
-    streamer's own `slot_layout`)."""
+    EP group of `ep_size`, the routed experts in format `experts` (the modules as built, on
+    the meta device; slot bytes by the streamer's own `slot_layout`)."""
     kinds = {}
     for i in range(model.num_layers):
         multimodal = i in model.multimodal_layers
         if multimodal not in kinds:
             with torch.device("meta"):
                 layer = Magi2Layer(model, i, dtype, _context(model, ep_size, ep_rank),
-                                   ExchangeWorkspace())
+                                   ExchangeWorkspace(), expert_format(experts))
             tensors = [(t.shape, t.dtype) for _, t in
                        [*layer.named_parameters(), *layer.named_buffers()]]
             kinds[multimodal] = (_nbytes(layer), slot_layout(tensors)[1])
     return tuple(kinds[i in model.multimodal_layers] for i in range(model.num_layers))
 
 
-def expert_bytes_per_head(model: Magi2Config, dtype: torch.dtype) -> int:
-    """Bytes of one real MoE head's rows in one MoE layer (gate, experts, router biases)."""
-    return weight_bytes(model, 1, 0, dtype)[0] // max(len(model.moe_layer_ids), 1) // (
+def expert_bytes_per_head(model: Magi2Config, dtype: torch.dtype,
+                          experts: str = DEFAULT_EXPERT_FORMAT) -> int:
+    """Bytes of one real MoE head's rows in one MoE layer (gate, experts in format
+    `experts`, router biases)."""
+    return weight_bytes(model, 1, 0, dtype, experts)[0] // max(len(model.moe_layer_ids), 1) // (
         model.moe_num_heads)

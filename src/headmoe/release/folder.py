@@ -142,7 +142,7 @@ def is_release_folder(path: str | os.PathLike) -> bool:
     return Path(path).expanduser().is_dir()
 
 
-def _transformer_file(root: Path, folder_name: str = PREVIEW_DIR) -> str | None:
+def transformer_file(root: Path, folder_name: str = PREVIEW_DIR) -> str | None:
     """The checkpoint under ``folder_name``/ (preview/ or refiner/): its one
     ``*.safetensors.index.json``, else its one ``*.safetensors`` file, else None. Several
     indexes are refused."""
@@ -216,7 +216,7 @@ def find_refiner(base: Path) -> tuple[str | None, Magi2RefinerConfig | None]:
     device or a folder, is refused with one `ValueError`, never replaced by the preset."""
     if not (base / REFINER_DIR).is_dir():
         return None, None
-    checkpoint = _transformer_file(base, REFINER_DIR)
+    checkpoint = transformer_file(base, REFINER_DIR)
     if checkpoint is None:
         return None, None
     cfg_rel = f"{REFINER_DIR}/{MODEL_CONFIG}"
@@ -251,7 +251,7 @@ def find_release(
     vae = f"{WAN_DIR}/{_wan_file()}"
     if image_encoder and vae not in files:
         files.append(vae)
-    transformer = _transformer_file(base)
+    transformer = transformer_file(base)
     index = base / TEXT_ENCODER_DIR / f"model{INDEX_SUFFIX}"  # else the single file
     files.append(f"{TEXT_ENCODER_DIR}/" + (index.name if index.exists() else "model.safetensors"))
     problems = [] if transformer else [f"{PREVIEW_DIR}/*{INDEX_SUFFIX} (missing)"]
