@@ -367,6 +367,7 @@ def _adapters(cfg, ctx) -> magi2_model.Magi2Transformer:
     net = magi2_model.Magi2Transformer.__new__(magi2_model.Magi2Transformer)
     torch.nn.Module.__init__(net)
     net.config, net.context, net.dtype = cfg, ctx, torch.bfloat16
+    net.attention = "triton"  # the path counted: the Triton sink kernel (--attention's default)
     net.pre_adapter = magi2_model.PreAdapter(cfg)
     net.post_adapter = magi2_model.PostAdapter(cfg)
     with torch.device("cpu"):  # the RoPE table is computed on the host
