@@ -252,6 +252,7 @@ def test_one_rank_runs_where_launched_ranks_run(cuda, monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake GPU")
     monkeypatch.setattr(job_mod, "run_job", lambda ctx, job: seen.append(ctx.device) or {
         "output": None})
     code = main(["generate", "--prompt", "x", "--cache-dir", str(tmp_path), "--output",

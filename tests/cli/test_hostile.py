@@ -124,7 +124,7 @@ def test_prompt_file_refused(content, pattern, tmp_path, cache, capsys):
 
 
 @pytest.mark.parametrize("prompt, pattern", [
-    ((), r"one of the arguments --prompt --prompt-file is required"),
+    ((), r"one of the arguments --prompt --prompt-file --samples is required"),
     (("--prompt", "x", "--prompt-file", "p.txt"), r"--prompt-file: not allowed with argument --prompt"),
     (("--prompt",), r"argument --prompt: expected one argument"),
 ])

@@ -45,7 +45,8 @@ class Fusion:
         if self.gate is None:
             return x
         t, g = self.gate.shape
-        return (x.float().view(t, g, -1) * self.gate[:, :, None]).reshape(t, -1)
+        # explicit widths: a rank may hold no rows (t = 0), where -1 is ambiguous
+        return (x.float().view(t, g, x.shape[-1] // g) * self.gate[:, :, None]).reshape(t, x.shape[-1])
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """The torch path's epilogue on the fp32 product y."""
