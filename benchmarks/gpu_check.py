@@ -1045,7 +1045,7 @@ def check_expert_tile(ctx: Ctx, n: int) -> None:
     shape = f"{n:,} tok x {sh.heads} heads, {sh.experts} experts, top-{sh.top_k}"
     fused, split = experts_triton(z, ids, w, *wts), experts_triton(z, ids, w, *wts, tiles=two)
     ctx.report.add("j", "fused expert tile vs two kernels", shape,
-                   f"{mismatched_rows(fused, split)} rows differ, max |diff| "
+                   f"{mismatched_rows(fused, split)} rows differ, max abs diff "
                    f"{max_diff(fused, split):.3g}")  # fmt: skip
     lo, hi = n // 3, n // 3 + 7
     alone = experts_triton(z[lo:hi], ids[lo:hi], w[lo:hi], *wts)
@@ -1079,7 +1079,7 @@ def check_fused_linear(ctx: Ctx) -> None:
 
     a, b = fused(), unfused()
     ctx.report.add("j", "fused linear (norm + SwiGLU7) vs unfused kernels", shape,
-                   f"{mismatched_rows(a, b)} rows differ, max |diff| {max_diff(a, b):.3g}")
+                   f"{mismatched_rows(a, b)} rows differ, max abs diff {max_diff(a, b):.3g}")
     lo, hi = sh.t_local // 3, sh.t_local // 3 + 5
     norm = triton_dense.RowNorm(triton_dense.rms_inv_rows(x[lo:hi], 1e-6), nw)
     part = triton_dense.linear_rows(x[lo:hi], w.t(), norm=norm, swiglu=True, out_dtype=dt)

@@ -35,6 +35,7 @@ def test_dry_run_passes_every_check_and_writes_the_report(tmp_path, interpreted)
     assert all(v.startswith("ok (") for v in status.values()), status
     sections = [r[0] for r in rows]
     assert set(sections) == set(gpu_check.SECTIONS)
+    assert all(len(r) == 6 for r in rows), [r for r in rows if len(r) != 6]  # no "|" in a cell
     checks = [r for r in rows if r[5]]
     assert all(r[5] == "ok" for r in checks) and "FAIL" not in text
     assert sum(r[0] == "a" for r in checks) == 10 and sum(r[0] == "b" for r in checks) == 3
