@@ -213,6 +213,8 @@ def resolve_attention(choice: str, device: str, cache_dir: str | os.PathLike[str
     if choice == "flash" and device != "cuda":
         raise ValueError(f"attention=flash needs CUDA ranks (FlashAttention has no CPU "
                          f"kernel), this deployment runs on {device}; use auto or triton")
-    if choice == "auto":
-        return "flash" if device == "cuda" and read_proof(cache_dir, proof_key()) else "triton"
+    if choice == "auto":  # the device is asked its name only where a record exists
+        proven = device == "cuda" and proof_path(cache_dir).is_file() and read_proof(
+            cache_dir, proof_key())
+        return "flash" if proven else "triton"
     return choice
