@@ -215,7 +215,7 @@ def test_one_rank_serve_runs_where_generate_runs(monkeypatch, tmp_path):
     dep = Deployment(model_config=SimpleNamespace(name="fake"), model="tiny", dtype="fp32")
     spec = ServeSpec(deployment=dep, output_dir=str(tmp_path), port=0)
     with pytest.raises(Stop):
-        worker.serve_rank(spec, 0, 1, None)
+        worker.serve_rank(spec, 0, 1)
     assert seen == [torch.device("cuda", 0)]
 
 

@@ -114,8 +114,6 @@ def build_spec(args: argparse.Namespace) -> tuple[ServeSpec, int]:
     the `ServeSpec` and the world size: the `Deployment` (`build_deployment`) and one
     `admit` of the smallest request (the weights alone must fit). Raises `ValueError`
     naming the flags."""
-    if args.data_parallel_size != 1:
-        raise ValueError(f"--data-parallel-size must be 1 for serve, got {args.data_parallel_size}")
     output_dir = _check_output_dir(args.output_dir)
     state_dir = str(default_state_dir(output_dir) if args.state_dir is None
                     else os.path.abspath(os.path.expanduser(args.state_dir)))
@@ -204,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     rank = 0 if env is None else env.rank
     set_rank_threads(1 if env is None else env.local_world_size)
     try:
-        serve_rank(spec, rank, world, None)
+        serve_rank(spec, rank, world)
     except Exception as exc:  # noqa: BLE001 - one line for the operator, traceback above
         import traceback
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,9 @@ import torch.distributed as dist
 from headmoe.config import ParallelConfig
 from headmoe.distributed.counters import Counters
 from headmoe.distributed.topology import AXES, Coords, Topology, plan_topology
+
+if TYPE_CHECKING:
+    from torch.distributed import Store  # type: ignore[attr-defined]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -115,13 +119,15 @@ class ParallelContext:
         backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         device: torch.device | None = None,
+        store: Store | None = None,
     ) -> ParallelContext:
         """Create the process groups of `config` on this rank.
 
         If the default group is already initialised it is used (and not destroyed by
         `destroy`). Otherwise it is initialised from the explicit `rank`, `world_size` and
-        `init_method`, or from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-        MASTER_PORT). The topology is validated *before* any group is created. Group creation
+        `init_method`, or over the c10d `store` (a data-parallel replica's world:
+        `headmoe.distributed.replicas.join_replica`), or from torchrun's environment (RANK,
+        WORLD_SIZE, MASTER_ADDR, MASTER_PORT). The topology is validated *before* any group is created. Group creation
         is transactional: if one fails, all groups created so far (and a default group
         created here) are destroyed and the error propagates.
 
@@ -139,7 +145,8 @@ class ParallelContext:
         topo = plan_topology(world_size, config)
         topo.coords(rank)
         if not dist.is_initialized():
-            device = _init_default_group(rank, world_size, init_method, backend, timeout, device)
+            device = _init_default_group(rank, world_size, init_method, backend, timeout, device,
+                                         store)
             owns_default = True
         if device is None:
             device = (
@@ -251,7 +258,8 @@ def _env_int(name: str) -> int:
 
 def _init_default_group(rank: int, world_size: int, init_method: str | None,
                         backend: str | None, timeout: timedelta,
-                        device: torch.device | None) -> torch.device | None:
+                        device: torch.device | None,
+                        store: Store | None = None) -> torch.device | None:
     """Initialise the default group (NCCL ranks first make their own GPU current); returns
     the device the rank uses (None: decided after the group exists)."""
     chosen = backend or default_backend()
@@ -259,6 +267,10 @@ def _init_default_group(rank: int, world_size: int, init_method: str | None,
         device = torch.device("cuda", local_cuda_index(rank, torch.cuda.device_count()))
     if device is not None and device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=chosen, init_method=init_method or "env://", rank=rank,
-                            world_size=world_size, timeout=timeout)
+    if store is not None:
+        dist.init_process_group(backend=chosen, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend=chosen, init_method=init_method or "env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
     return device

@@ -26,6 +26,7 @@ fp32.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -193,12 +194,15 @@ def broadcast_result(
 
 def node_of(ctx: ParallelContext, node_size: int | None = None) -> tuple[int, int]:
     """(first rank, size) of this rank's node. ``node_size`` defaults to torchrun's
-    ``LOCAL_WORLD_SIZE`` (one node when not launched). Raises `ValueError` before any
+    ``LOCAL_WORLD_SIZE`` (one node when not launched; in a data-parallel replica's own
+    world, runs of its ranks that share a node: the gcd of the two sizes). Raises `ValueError` before any
     collective when the world does not split into equal nodes of consecutive ranks."""
     world = ctx.world_size
     env = torchrun_env()
     if node_size is None:
         node_size = env.local_world_size if env is not None else world
+        if env is not None and env.world_size != world:  # one data-parallel replica's world
+            node_size = math.gcd(node_size, world)  # (`headmoe.distributed.replicas`)
     if node_size < 1 or world % node_size:
         raise ValueError(f"LOCAL_WORLD_SIZE={node_size} must divide the world of {world} ranks")
     if env is not None and env.world_size == world and env.local_rank != ctx.rank % node_size:

@@ -19,8 +19,9 @@ Endpoints (JSON unless stated; errors are ``{"error": {"message", "type", "param
 - ``GET /v1/models``: ``{"object": "list", "data": [model]}``, the served model's
   `ServeSpec.model_card` (its presets and defaults).
 - ``GET /`` (no key needed): the web page (`headmoe.serve.page`), on this API.
-- ``GET /health`` (never authenticated): 200 ``{"status": "ok"}``; 503 while loading or
-  draining. ``GET /metrics``: Prometheus text.
+- ``GET /health`` (never authenticated): 200 ``{"status": "ok", "replicas": [...]}``
+  (`JobStore.replica_view`: each data-parallel replica's ranks, state and job); 503 while
+  loading or draining. ``GET /metrics``: Prometheus text.
 
 With an API key every endpoint but ``/health`` and the page's files needs
 ``Authorization: Bearer <key>`` (401 otherwise).
@@ -86,7 +87,8 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
     async def health() -> JSONResponse:
         draining = store.draining or store.signalled
         state = "draining" if draining else "ok" if store.ready else "loading"
-        return JSONResponse({"status": state}, status_code=200 if state == "ok" else 503)
+        return JSONResponse({"status": state, "replicas": store.replica_view()},
+                            status_code=200 if state == "ok" else 503)
 
     api = APIRouter(dependencies=[Depends(auth)])
     _add_video_routes(api, store, spec)

@@ -7,10 +7,11 @@ client data).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 from headmoe.config import check_positive_int, check_positive_number, is_int
+from headmoe.distributed.replicas import replica_config
 from headmoe.models.magi2.config import PRESETS
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.image import ReferenceImage
@@ -50,12 +51,6 @@ class ServeSpec:
         if self.deployment.dtype is None:
             raise ValueError("deployment.dtype must be set: a server runs every request in "
                              "one dtype")
-        parallel = self.deployment.parallel
-        if parallel.data_parallel_size != 1:
-            raise ValueError(
-                f"data_parallel_size={parallel.data_parallel_size}: serve runs each "
-                "request over the whole world; it must be 1"
-            )
         check_positive_int("max_queue", self.max_queue)
         if not is_int(self.port) or not 0 <= self.port < 65536:
             raise ValueError(f"port must be an int in [0, 65535], got {self.port!r}")
@@ -63,6 +58,20 @@ class ServeSpec:
             check_positive_number(name, getattr(self, name))
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it out for no authentication)")
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel replicas (``--data-parallel-size``): each runs one request at
+        a time on its own SP x CFG ranks."""
+        return self.deployment.parallel.data_parallel_size
+
+    def replica_spec(self) -> ServeSpec:
+        """This server as one replica runs it: the deployment's layout with DP 1 (every
+        request's admission, layout and sidecar are one replica's)."""
+        if self.replicas == 1:
+            return self
+        dep = self.deployment
+        return replace(self, deployment=replace(dep, parallel=replica_config(dep.parallel)))
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -76,11 +76,18 @@ class Job:
     """Image-to-video: the request's `headmoe.pipeline.image.ReferenceImage` (with pixels)."""
     refiner: Any = None
     """1080p: the admitted `headmoe.pipeline.refine.RefinerStage` (None: the preview only)."""
+    replica: int | None = None
+    """The data-parallel replica that runs or ran it (None while queued)."""
 
     @property
     def total_steps(self) -> int:
         """Sampler steps of both stages (the preview's, then the refiner's)."""
         return self.request.num_inference_steps + (self.refiner.steps if self.refiner else 0)
+
+
+#: what `JobStore.replica_view` says of a replica: its model still loading, waiting for a
+#: job, running one, stopped after the drain, or lost (its leader stopped answering)
+REPLICA_STATES = ("loading", "idle", "busy", "stopped", "lost")
 
 
 class JobLog(Protocol):
@@ -123,6 +130,8 @@ class JobStore:
         self._rejected: Counter[str] = Counter()
         self._step_hist = [0] * (len(STEP_BUCKETS) + 1)
         self._step_sum = 0.0
+        self._replicas: list[dict[str, Any]] = [{"replica": 0, "ranks": [0], "state": "loading",
+                                                 "job": None}]
 
     # ------------------------------------------------------------------ HTTP side
     def submit(self, request: GenerateRequest, admission: dict[str, Any] | None = None,
@@ -195,8 +204,9 @@ class JobStore:
         return path
 
     # ------------------------------------------------------------------ rank-0 loop side
-    def next_job(self, timeout: float) -> Job | None:
-        """Take the oldest queued job (now in progress), waiting up to ``timeout`` s."""
+    def next_job(self, timeout: float, replica: int = 0) -> Job | None:
+        """Take the oldest queued job (now in progress on data-parallel replica
+        ``replica``), waiting up to ``timeout`` s."""
         with self._wake:
             if not self._queue:
                 self._wake.wait(timeout)
@@ -205,9 +215,10 @@ class JobStore:
             job = self._jobs[self._queue[0]]
             started = time.time()
             if self.db is not None:
-                self.db.start(job.id, replica=0, started_at=started)
+                self.db.start(job.id, replica=replica, started_at=started)
             self._queue.popleft()
-            job.status, job.started_at = "in_progress", started
+            job.status, job.started_at, job.replica = "in_progress", started, replica
+            self._replicas[replica].update(state="busy", job=job.id)
             return job
 
     def record_step(self, job: Job, done: int, seconds: float) -> bool:
@@ -244,6 +255,8 @@ class JobStore:
             self.db.end(job.id, status, error or status, now)
         job.status, job.error, job.completed_at = status, error, now
         self._finished[status] += 1
+        if job.replica is not None and self._replicas[job.replica]["job"] == job.id:
+            self._replicas[job.replica].update(state="idle", job=None)
         job.done.set()
 
     def restore(self, jobs: list[Job], readmit: Callable[[Job], Job]) -> list[Job]:
@@ -297,12 +310,34 @@ class JobStore:
                 "image": None if job.image is None else job.image.describe(),
                 "size": f"{req.width}x{req.height}",
                 "seconds": req.duration_s,
+                "replica": job.replica,
             }
             if job.result is not None:
                 keep = ("video_sha256", "audio_sha256", "seed", "step_times_s", "total_s",
                         "media", "layout", "server", "refiner")
                 out.update({k: job.result.get(k) for k in keep})
             return out
+
+    # ------------------------------------------------------------------ replicas
+    def set_replicas(self, ranks: list[list[int]]) -> None:
+        """The server has one replica per entry of ``ranks`` (each its global ranks), all
+        loading."""
+        with self._lock:
+            self._replicas = [{"replica": k, "ranks": list(r), "state": "loading", "job": None}
+                              for k, r in enumerate(ranks)]
+
+    def replica_state(self, replica: int, state: str) -> None:
+        """Replica ``replica`` is now ``state`` (`REPLICA_STATES`; a busy one is set by
+        `next_job`, its return to idle by the job's end)."""
+        if state not in REPLICA_STATES:
+            raise ValueError(f"state must be one of {REPLICA_STATES}, got {state!r}")
+        with self._lock:
+            self._replicas[replica]["state"] = state
+
+    def replica_view(self) -> list[dict[str, Any]]:
+        """``/health``'s ``replicas``: each replica's index, global ranks, state and job."""
+        with self._lock:
+            return [dict(r, ranks=list(r["ranks"])) for r in self._replicas]
 
     def metrics_text(self) -> str:
         """Prometheus text exposition (version 0.0.4) of the server's counters."""

@@ -156,6 +156,7 @@ class JobRow:
                   cancel_requested=self.cancel_requested, error=self.error,
                   started_at=self.started_at, completed_at=self.completed_at,
                   result=self.sidecar, admission=self.admission, image=image,
+                  replica=self.replica,
                   refiner=None if self.refiner is None else RefinerStage.from_dict(self.refiner))
         if self.status in TERMINAL:
             job.done.set()

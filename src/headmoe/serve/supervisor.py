@@ -37,7 +37,7 @@ def rank_main(spec: ServeSpec) -> None:
     env = torchrun_env()
     assert env is not None  # started by `LocalRanks`
     set_rank_threads(env.local_world_size)
-    serve_rank(spec, env.rank, env.world_size, None, supervised=True)
+    serve_rank(spec, env.rank, env.world_size, supervised=True)
 
 
 def _culprit(failure: LaunchFailure) -> tuple[int, str, str]:

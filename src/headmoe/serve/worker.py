@@ -40,16 +40,23 @@ from pathlib import Path
 from typing import Any
 
 from headmoe.distributed.context import ParallelContext, rank_device
+from headmoe.distributed.replicas import (
+    ReplicaPlace,
+    join_replica,
+    launch_store,
+    replica_place,
+    serve_store,
+)
 from headmoe.pipeline.image import ReferenceImage
-from headmoe.pipeline.job import Components, build_components, run_request
+from headmoe.pipeline.job import Components, GenerateJob, build_components, run_request
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.stop import CANCEL, GO_ON, LayerGate, StopAtLayer
-from headmoe.planner.time import record_steps
 from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
+from headmoe.serve.replicas import Channel, RemoteLeader, ReplicaProxy, conclude, run_command
 from headmoe.serve.spec import ServeSpec
-from headmoe.serve.state import ID_PATTERN, Job, JobStore, redact_paths
+from headmoe.serve.state import ID_PATTERN, Job, JobStore
 from headmoe.serve.store import INTERRUPTED, JobDatabase, check_output_dir
 from headmoe.serve.validate import readmit
 
@@ -81,11 +88,19 @@ class Leader:
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.spec.drain_timeout_s
 
+    @property
+    def output_dir(self) -> str:
+        """Where replica 0's jobs write their mp4 and sidecar: ``--output-dir``."""
+        return self.spec.output_dir
+
+    def drain_late(self) -> bool:
+        """The drain bound has passed: every running job stops at its next layer."""
+        return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
+
     def stop_now(self) -> bool:
         """Between two layers of the current job: cancel it now? (a cancel request, or the
         drain bound passed; read without the store's lock)"""
-        late = self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
-        return late or (self.current is not None and self.current.cancel_requested)
+        return self.drain_late() or (self.current is not None and self.current.cancel_requested)
 
     def start_http(self) -> None:
         """Serve the API on ``self.sock`` from a daemon thread."""
@@ -128,10 +143,7 @@ class Leader:
         if job is None:
             return {"op": "idle"}
         self.current, self._last_step = job, time.perf_counter()
-        return {"op": "run", "id": job.id, "request": job.request.to_dict(),
-                "admission": job.admission,
-                "image": None if job.image is None else job.image.describe(),
-                "refiner": None if job.refiner is None else job.refiner.to_dict()}
+        return run_command(job)
 
     def _start_drain(self) -> None:
         self.store.start_drain()
@@ -148,8 +160,7 @@ class Leader:
         if self.drain_requested and not self.store.draining:
             self._start_drain()
             self.drain_deadline = self.drain_deadline or time.monotonic() + self.spec.drain_timeout_s
-        late = self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
-        return cancel or late
+        return cancel or self.drain_late()
 
     def server_facts(self) -> dict[str, Any]:
         """What the sidecar's ``server`` field records: proof the model loaded once."""
@@ -160,18 +171,11 @@ class Leader:
     def finish(self, outcomes: list[dict[str, Any]], result: dict[str, Any] | None) -> None:
         """End the current job from every rank's outcome (``{"rank", "status", "message"}``)."""
         job, self.current = self.current, None
-        failed = [o for o in outcomes if o["status"] == "failed"]
-        if failed:  # clients never see the server's paths
-            message = redact_paths(f"rank {failed[0]['rank']}: {failed[0]['message']}")
-            self.store.finish(job, "failed", message, None)
-        elif any(o["status"] == "cancelled" for o in outcomes):
-            why = "cancelled by request" if job.cancel_requested else "server shutting down"
-            self.store.finish(job, "cancelled", why, None)
-        else:
-            side = json.loads(Path(result["sidecar"]).read_text())
-            self.store.finish(job, "completed", None, side)
-            record_steps(self.spec.deployment.step_cache, job.admission.get("step_key") or "",
-                         side["step_times_s"]["max"])  # later estimates of this cost
+        assert job is not None
+        done = result is not None and result.get("sidecar") and all(
+            o["status"] == "completed" for o in outcomes)
+        side = json.loads(Path(result["sidecar"]).read_text()) if done and result else None
+        conclude(self.store, self.spec, job, outcomes, side)
 
 
 def open_store(spec: ServeSpec) -> JobStore:
@@ -214,21 +218,29 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: the leader interface `run_one` and `serve_loop` call: rank 0's `Leader` (replica 0) or a
+#: remote replica's `headmoe.serve.replicas.RemoteLeader`; None on the other ranks
+AnyLeader = Leader | RemoteLeader | None
+
+
 def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[str, Any],
-            leader: Leader | None) -> None:
-    """Run command ``cmd`` (op "run") on this rank; rank 0 records the outcome."""
+            leader: AnyLeader, replica: int = 0) -> None:
+    """Run command ``cmd`` (op "run") on this rank of replica ``replica``; its leader
+    records the outcome."""
     job_id = cmd["id"]
     if not ID_PATTERN.fullmatch(job_id):
         raise ValueError(f"bad job id from rank 0: {job_id!r}")
     request = GenerateRequest(**cmd["request"])
-    extra = {"server": {"job_id": job_id, **(leader.server_facts() if leader else {})},
+    facts = leader.server_facts() if leader else {}
+    extra = {"server": {"job_id": job_id, "replica": replica, **facts},
              "admission": cmd.get("admission", {})}
-    image = None  # rank 0 (the image encoder's) holds the pixels; the others its description
-    if cmd.get("image") is not None:
-        image = leader.current.image if leader else ReferenceImage.from_dict(cmd["image"])
+    image = None  # the leader (the image encoder's rank) holds the pixels; the others its
+    if cmd.get("image") is not None:  # description
+        image = leader.current.image if leader and leader.current else (
+            ReferenceImage.from_dict(cmd["image"]))
     refiner = None if cmd.get("refiner") is None else RefinerStage.from_dict(cmd["refiner"])
-    job = spec.job(request, str(Path(spec.output_dir) / f"{job_id}.mp4"), extra, image,
-                   refiner)
+    out = Path(leader.output_dir if leader else spec.output_dir) / f"{job_id}.mp4"
+    job = spec.job(request, str(out), extra, image, refiner)
     device = ctx.device
 
     def on_step(done: int, total: int) -> None:
@@ -246,23 +258,24 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
         outcome["status"] = "cancelled"  # read failed raised its own error: the job's
     except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
         outcome.update(status="failed", message=f"{type(exc).__name__}: {exc}")
-        print(f"headmoe serve: rank {ctx.rank}: {job_id} failed: {outcome['message']}",
-              file=sys.stderr, flush=True)
+        print(f"headmoe serve: replica {replica} rank {ctx.rank}: {job_id} failed: "
+              f"{outcome['message']}", file=sys.stderr, flush=True)
     outcomes = wire.all_gather_json(outcome, device=device)
     if leader is not None:
         leader.finish(outcomes, result)
 
 
 def serve_loop(ctx: ParallelContext, parts: Components, spec: ServeSpec,
-               leader: Leader | None) -> None:
-    """Follow rank 0's commands until ``stop`` (every rank calls it together)."""
+               leader: AnyLeader, replica: int = 0) -> None:
+    """Follow the replica leader's commands until ``stop`` (every rank of the replica calls
+    it together)."""
     while True:
         cmd = leader.next_command() if leader is not None else None
         cmd = wire.broadcast_json(cmd, device=ctx.device)
         if cmd["op"] == "stop":
             return
         if cmd["op"] == "run":
-            run_one(ctx, parts, spec, cmd, leader)
+            run_one(ctx, parts, spec, cmd, leader, replica)
 
 
 def watch_signals(leader: Leader) -> None:
@@ -283,59 +296,107 @@ def watch_signals(leader: Leader) -> None:
     threading.Thread(target=watch, name="signals", daemon=True).start()
 
 
-def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | None, *,
+def serve_rank(spec: ServeSpec, rank: int, world_size: int, *,
                supervised: bool = False) -> None:
-    """One rank of the server, from joining the world to a drained exit (returns normally).
-
-    ``init_method`` None with ``world_size > 1`` joins from torchrun's environment.
+    """One rank of the server, from joining its replica to a drained exit (returns
+    normally). A world of several ranks joins from torchrun's environment (as
+    `headmoe.distributed.launch.LocalRanks` sets it) and splits into
+    ``--data-parallel-size`` replicas (`headmoe.distributed.replicas`).
     ``supervised``: started by `headmoe.serve.supervisor`, so rank 0 stops if that parent
     process disappears."""
-    leader = None
+    place = replica_place(rank, world_size, spec.deployment.parallel)
+    rspec = spec.replica_spec()
+    leader: Leader | None = None
     if rank == 0:
-        leader = Leader(spec, bind(spec.host, spec.port), watch_parent=supervised)
+        leader = Leader(rspec, bind(spec.host, spec.port), watch_parent=supervised)
+        leader.store.set_replicas([place.ranks(k) for k in range(place.replicas)])
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, leader.on_signal)
         watch_signals(leader)
     else:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-    if world_size == 1:  # where launched ranks run (CUDA when available), as generate
-        ctx = ParallelContext.single(spec.deployment.parallel, device=rank_device())
-    else:
-        dep = spec.deployment
-        ctx = ParallelContext.initialize(dep.parallel, rank=rank, world_size=world_size,
-                                         init_method=init_method,
-                                         timeout=timedelta(seconds=dep.timeout_s))
-    # with the release's refiner/ the template carries a stage, so the refiner loads now
-    template = spec.job(GenerateRequest(prompt="", dtype=spec.deployment.dtype), None, {},
-                        refiner=RefinerStage() if spec.deployment.has_refiner else None)
+    ctx, shared = _join(spec, place, world_size)
+    remote = (RemoteLeader(Channel(shared, place.replica), rspec, place)
+              if shared is not None and place.leads and place.replica > 0 else None)
+    proxies = [] if leader is None or shared is None else [
+        ReplicaProxy(leader, Channel(shared, k)) for k in range(1, place.replicas)]
+    clean = False
     try:
         if leader is not None:
-            Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
-            leader.start_http()  # /health says "loading" until the model is in
+            _start_front(leader, proxies, world_size)
         t0 = time.perf_counter()
+        parts = build_components(ctx, _template(rspec))
         if leader is not None:
-            print(f"headmoe serve: loading the model on {world_size} rank(s); /health says "
-                  "loading until it is in", file=sys.stderr, flush=True)
-        parts = build_components(ctx, template)
-        if leader is not None:
-            _announce(leader, time.perf_counter() - t0, ctx)
-        serve_loop(ctx, parts, spec, leader)
+            _announce(leader, time.perf_counter() - t0, ctx, place.replicas)
+        elif remote is not None:
+            remote.loaded(time.perf_counter() - t0)
+        serve_loop(ctx, parts, rspec, leader or remote, place.replica)
+        clean = True
     finally:
         if leader is not None:
-            leader.stop_http()
-            if leader.store.db is not None:
-                leader.store.db.close()
+            _stop_front(leader, proxies, clean)
         ctx.destroy()
     if leader is not None:
         print("headmoe serve: stopped", file=sys.stderr, flush=True)
 
 
-def _announce(leader: Leader, load_s: float, ctx: ParallelContext) -> None:
+def _join(spec: ServeSpec, place: ReplicaPlace, world_size: int
+          ) -> tuple[ParallelContext, Any]:
+    """This rank's replica context and the replicas' shared store (None in a world of one
+    rank, where launched ranks run: CUDA when available, as generate)."""
+    if world_size == 1:
+        return ParallelContext.single(spec.replica_spec().deployment.parallel,
+                                      device=rank_device()), None
+    timeout = timedelta(seconds=spec.deployment.timeout_s)
+    base = launch_store(place.rank, world_size, timeout)
+    ctx = join_replica(place, base, spec.deployment.parallel, timeout)
+    return ctx, serve_store(base)
+
+
+def _template(spec: ServeSpec) -> GenerateJob:
+    """The job the components are built for: with the release's refiner/ it carries a
+    stage, so the refiner loads at start too."""
+    return spec.job(GenerateRequest(prompt="", dtype=spec.deployment.dtype), None, {},
+                    refiner=RefinerStage() if spec.deployment.has_refiner else None)
+
+
+def _start_front(leader: Leader, proxies: list[ReplicaProxy], world_size: int) -> None:
+    """Rank 0, before the model loads: the output folder, the HTTP thread (``/health``
+    says loading until the model is in) and one proxy thread per remote replica."""
+    Path(leader.spec.output_dir).mkdir(parents=True, exist_ok=True)
+    leader.start_http()
+    for proxy in proxies:
+        proxy.start()
+    print(f"headmoe serve: loading the model on {world_size} rank(s) "
+          f"({len(proxies) + 1} replica(s)); /health says loading until it is in",
+          file=sys.stderr, flush=True)
+
+
+def _stop_front(leader: Leader, proxies: list[ReplicaProxy], clean: bool) -> None:
+    """Rank 0 leaving: after a drain (``clean``) each proxy is joined as it stops its
+    replica (within the drain bound and the collective timeout); then the HTTP thread and
+    the database. After a failure the proxies are left (daemon threads): the launcher stops
+    every rank."""
+    bound = time.monotonic() + leader.spec.drain_timeout_s + leader.spec.deployment.timeout_s
+    for proxy in proxies if clean else ():
+        if not proxy.join(max(0.0, bound - time.monotonic())):
+            print(f"headmoe serve: replica {proxy.k} did not stop in time", file=sys.stderr,
+                  flush=True)
+    leader.stop_http()
+    if leader.store.db is not None:
+        leader.store.db.close()
+
+
+def _announce(leader: Leader, load_s: float, ctx: ParallelContext, replicas: int) -> None:
+    """Replica 0's model is in: the server takes jobs (the others' proxies send them jobs
+    once theirs are in too)."""
     store = leader.store
     store.model_loads += 1
     store.model_load_s, store.model_loaded_at = load_s, time.time()
+    store.replica_state(0, "idle")
     store.ready = True
     host, port = leader.sock.getsockname()[:2]
-    print(f"headmoe serve: listening on http://{host}:{port} ({ctx.world_size} rank(s), "
-          f"model {leader.spec.deployment.model}, loaded in {load_s:.1f} s)", flush=True)
+    print(f"headmoe serve: listening on http://{host}:{port} ({ctx.world_size * replicas} "
+          f"rank(s), {replicas} replica(s) of {ctx.world_size}, model "
+          f"{leader.spec.deployment.model}, loaded in {load_s:.1f} s)", flush=True)
