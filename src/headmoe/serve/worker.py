@@ -48,6 +48,7 @@ from headmoe.pipeline.stop import CANCEL, GO_ON, LayerGate, StopAtLayer
 from headmoe.planner.time import record_steps
 from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
+from headmoe.serve.metrics import resident_memory
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import ID_PATTERN, Job, JobStore, redact_paths
 from headmoe.serve.store import INTERRUPTED, JobDatabase, check_output_dir
@@ -160,6 +161,7 @@ class Leader:
     def finish(self, outcomes: list[dict[str, Any]], result: dict[str, Any] | None) -> None:
         """End the current job from every rank's outcome (``{"rank", "status", "message"}``)."""
         job, self.current = self.current, None
+        self.store.rank_memory(outcomes)
         failed = [o for o in outcomes if o["status"] == "failed"]
         if failed:  # clients never see the server's paths
             message = redact_paths(f"rank {failed[0]['rank']}: {failed[0]['message']}")
@@ -238,6 +240,7 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
 
     ctx.counters.reset()
     result, outcome = None, {"rank": ctx.rank, "status": "completed", "message": None}
+    outcome["memory"] = resident_memory(device)
     local = (lambda: CANCEL if leader.stop_now() else GO_ON) if leader else (lambda: GO_ON)
     try:
         with LayerGate(parts, device, local):
@@ -318,8 +321,11 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
             print(f"headmoe serve: loading the model on {world_size} rank(s); /health says "
                   "loading until it is in", file=sys.stderr, flush=True)
         parts = build_components(ctx, template)
+        load_s = time.perf_counter() - t0
+        memory = wire.all_gather_json({"rank": ctx.rank, "memory": resident_memory(ctx.device)},
+                                      device=ctx.device)
         if leader is not None:
-            _announce(leader, time.perf_counter() - t0, ctx)
+            _announce(leader, load_s, ctx, memory)
         serve_loop(ctx, parts, spec, leader)
     finally:
         if leader is not None:
@@ -331,11 +337,12 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, init_method: str | N
         print("headmoe serve: stopped", file=sys.stderr, flush=True)
 
 
-def _announce(leader: Leader, load_s: float, ctx: ParallelContext) -> None:
+def _announce(leader: Leader, load_s: float, ctx: ParallelContext,
+              memory: list[dict[str, Any]]) -> None:
+    """The model is in (``load_s`` s; ``memory`` every rank's ``{"rank", "memory"}``)."""
     store = leader.store
-    store.model_loads += 1
-    store.model_load_s, store.model_loaded_at = load_s, time.time()
-    store.ready = True
+    store.rank_memory(memory)
+    store.model_loaded(load_s)
     host, port = leader.sock.getsockname()[:2]
     print(f"headmoe serve: listening on http://{host}:{port} ({ctx.world_size} rank(s), "
           f"model {leader.spec.deployment.model}, loaded in {load_s:.1f} s)", flush=True)
