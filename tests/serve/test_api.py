@@ -147,13 +147,13 @@ BAD = [
 @pytest.mark.parametrize("change, field, value", BAD, ids=[b[1] + "=" + b[2] for b in BAD])
 def test_bad_field_is_422_and_reaches_no_rank(client, change, field, value):
     before = (client.get("/v1/videos").json()["data"],
-              _metric(client, 'headmoe_requests_total{status="queued"}'))
+              _metric(client, "headmoe_requests_total", outcome="queued"))
     r = client.post("/v1/videos", json={**REQUEST, **change})
     err = r.json()["error"]
     assert r.status_code == 422 and err["param"] == field, r.text
     assert field.split(",")[0] in err["message"] and value in err["message"], err
     after = (client.get("/v1/videos").json()["data"],
-             _metric(client, 'headmoe_requests_total{status="queued"}'))
+             _metric(client, "headmoe_requests_total", outcome="queued"))
     assert after == before
 
 
