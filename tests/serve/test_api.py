@@ -5,6 +5,7 @@ import re
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from headmoe.pipeline.media import read_mp4
 from tests.serve.server import REFINED, REQUEST, Server, finished, wait_for
@@ -29,14 +30,23 @@ def client(server):
         yield c
 
 
-def _metric(client, name):
-    text = client.get("/metrics").text
-    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+def _scrape(client):
+    """{(sample name, sorted labels): value} of ``GET /metrics``, parsed by prometheus_client."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith(
+        "text/plain; version=0.0.4"), r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def _metric(client, name, **labels):
+    return _scrape(client)[(name, tuple(sorted(labels.items())))]
 
 
 def test_health_needs_no_key(server):
     with server.client() as anon:
-        assert anon.get("/health").json() == {"status": "ok"}
+        assert anon.get("/health").json() == {"status": "ok", "replicas": [
+            {"replica": 0, "ranks": [0], "state": "idle", "job": None}]}
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
@@ -138,13 +148,13 @@ BAD = [
 @pytest.mark.parametrize("change, field, value", BAD, ids=[b[1] + "=" + b[2] for b in BAD])
 def test_bad_field_is_422_and_reaches_no_rank(client, change, field, value):
     before = (client.get("/v1/videos").json()["data"],
-              _metric(client, 'headmoe_requests_total{status="queued"}'))
+              _metric(client, "headmoe_requests_total", outcome="queued"))
     r = client.post("/v1/videos", json={**REQUEST, **change})
     err = r.json()["error"]
     assert r.status_code == 422 and err["param"] == field, r.text
     assert field.split(",")[0] in err["message"] and value in err["message"], err
     after = (client.get("/v1/videos").json()["data"],
-             _metric(client, 'headmoe_requests_total{status="queued"}'))
+             _metric(client, "headmoe_requests_total", outcome="queued"))
     assert after == before
 
 
@@ -205,7 +215,7 @@ def test_sync_back_to_back_loads_the_model_once(server, client, reference):
     assert sides[0]["model_loaded_at"] == sides[1]["model_loaded_at"]
     assert sides[0]["pid"] == sides[1]["pid"]
     assert _metric(client, "headmoe_model_loads_total") == 1
-    assert _metric(client, 'headmoe_requests_total{status="completed"}') >= 2
+    assert _metric(client, "headmoe_requests_total", outcome="completed") >= 2
     assert _metric(client, "headmoe_step_seconds_count") >= 4
 
 
@@ -216,6 +226,35 @@ def test_delete_finished_job_removes_its_files(server, client):
                                                          "deleted": True}
     assert not list(server.output_dir.glob(f"{vid}*"))
     assert client.get(f"/v1/videos/{vid}").status_code == 404
+
+
+def test_metrics_counters_move_by_one_job_and_one_rejected_request(client):
+    """``/metrics`` parses with prometheus_client's parser; a 2-step job and a 422 move
+    exactly their counters; every rank's memory is there; the queue is empty after."""
+    before = _scrape(client)
+    bad = client.post("/v1/videos", json={**REQUEST, "num_inference_steps": 0})
+    assert bad.status_code == 422, bad.text
+    vid = client.post("/v1/videos", json=REQUEST).json()["id"]
+    assert wait_for(client, vid, finished)["status"] == "completed"
+    after = _scrape(client)
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    assert moved("headmoe_requests_total", outcome="queued") == 1
+    assert moved("headmoe_requests_total", outcome="completed") == 1
+    assert moved("headmoe_requests_total", outcome="failed") == 0
+    assert moved("headmoe_requests_rejected_total", code="422") == 1
+    assert moved("headmoe_step_seconds_count") == REQUEST["num_inference_steps"]
+    assert moved("headmoe_job_seconds_count", outcome="completed") == 1
+    assert after[("headmoe_model_loads_total", ())] == 1
+    assert after[("headmoe_model_load_seconds", ())] > 0
+    assert after[("headmoe_queue_length", ())] == 0
+    assert after[("headmoe_replicas_busy", ())] == 0
+    memory = {dict(k[1])["rank"]: v for k, v in after.items()
+              if k[0] == "headmoe_resident_memory_bytes"}
+    assert set(memory) == {"0"} and memory["0"] > 0  # a one-rank server
 
 
 def test_sigterm_lets_the_current_job_finish_then_exits_0(server, client):

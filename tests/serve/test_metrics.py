@@ -1,11 +1,16 @@
 """`headmoe.serve.metrics.ServerMetrics`: the text parses with prometheus_client's own
-parser, the counters move with each record, two servers' registries stay apart."""
+parser, the counters move with each record, two servers' registries stay apart; `JobStore`
+records through its own at each change of a job (the drain and a restart's restore too)."""
 
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from headmoe.pipeline.request import GenerateRequest
+from headmoe.serve import http
 from headmoe.serve.metrics import JOB_BUCKETS, OUTCOMES, ServerMetrics, resident_memory
+from headmoe.serve.state import JobStore
+from headmoe.serve.store import JobDatabase
 
 
 def samples(metrics):
@@ -104,3 +109,76 @@ def test_resident_memory_of_a_cuda_rank_is_its_allocated_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: asked.append(d) or 12345)
     assert resident_memory("cuda:1") == ("device", 12345)
     assert asked == [torch.device("cuda:1")]
+
+
+def _store(tmp_path, db=None, max_queue=8):
+    return JobStore(tmp_path / "out", max_queue, db)
+
+
+def test_job_store_records_a_job_s_life_and_rejects(tmp_path):
+    store = _store(tmp_path)
+    run, wait = (store.submit(GenerateRequest(prompt=p)) for p in ("run", "wait"))
+    s = samples(store.metrics)
+    assert s[("headmoe_requests_total", (("outcome", "queued"),))] == 2.0
+    assert (s[("headmoe_queue_length", ())], s[("headmoe_replicas_busy", ())]) == (2.0, 0.0)
+    assert store.next_job(0.1) is run
+    assert store.record_step(run, 1, 0.3) is False
+    s = samples(store.metrics)
+    assert (s[("headmoe_queue_length", ())], s[("headmoe_replicas_busy", ())]) == (1.0, 1.0)
+    assert s[("headmoe_step_seconds_count", ())] == 1.0
+    store.cancel(wait)
+    store.finish(run, "completed", None, {})
+    store.reject(429)
+    store.model_loaded(2.5)
+    store.rank_memory([{"rank": 3, "memory": ["host", 4096]}, {"rank": 5, "memory": None}])
+    s = samples(store.metrics)
+    assert s[("headmoe_requests_total", (("outcome", "completed"),))] == 1.0
+    assert s[("headmoe_requests_total", (("outcome", "cancelled"),))] == 1.0
+    assert s[("headmoe_job_seconds_count", (("outcome", "completed"),))] == 1.0
+    assert s[("headmoe_job_seconds_count", (("outcome", "cancelled"),))] == 1.0
+    assert s[("headmoe_requests_rejected_total", (("code", "429"),))] == 1.0
+    assert (s[("headmoe_queue_length", ())], s[("headmoe_replicas_busy", ())]) == (0.0, 0.0)
+    assert (s[("headmoe_model_loads_total", ())], store.model_loads, store.ready) == \
+        (1.0, 1, True)
+    assert s[("headmoe_model_load_seconds", ())] == store.model_load_s == 2.5
+    assert s[("headmoe_resident_memory_bytes", (("kind", "host"), ("rank", "3")))] == 4096.0
+    assert not any(k[0] == "headmoe_resident_memory_bytes" and ("rank", "5") in k[1]
+                   for k in s)
+
+
+def test_drain_counts_every_queued_job_cancelled(tmp_path):
+    store = _store(tmp_path)
+    jobs = [store.submit(GenerateRequest(prompt=str(i))) for i in range(3)]
+    assert store.next_job(0.1) is jobs[0]
+    assert store.start_drain() == [jobs[0]]
+    s = samples(store.metrics)
+    assert s[("headmoe_requests_total", (("outcome", "cancelled"),))] == 2.0
+    assert s[("headmoe_job_seconds_count", (("outcome", "cancelled"),))] == 2.0
+    assert (s[("headmoe_queue_length", ())], s[("headmoe_replicas_busy", ())]) == (0.0, 1.0)
+
+
+def test_restore_counts_readmitted_jobs_queued_and_refused_ones_failed(tmp_path):
+    db = JobDatabase(tmp_path / "state")
+    first = _store(tmp_path, db)
+    for p in ("kept", "refused", "later"):
+        first.submit(GenerateRequest(prompt=p))
+
+    def readmit(job):
+        if job.request.prompt == "refused":
+            raise ValueError("too big now")
+        return job
+
+    store = _store(tmp_path, db, max_queue=1)
+    assert len(store.restore([r.to_job() for r in db.jobs()], readmit)) == 2
+    s = samples(store.metrics)
+    assert s[("headmoe_requests_total", (("outcome", "queued"),))] == 2.0
+    assert s[("headmoe_requests_total", (("outcome", "failed"),))] == 1.0
+    assert s[("headmoe_job_seconds_count", (("outcome", "failed"),))] == 1.0
+    assert s[("headmoe_queue_length", ())] == 2.0
+    db.close()
+
+
+def test_connection_refusals_are_in_the_same_page(monkeypatch):
+    monkeypatch.setattr(http, "REFUSED", type(http.REFUSED)({"refused": 3}))
+    s = samples(ServerMetrics())
+    assert s[("headmoe_connections_refused_total", (("reason", "refused"),))] == 3.0

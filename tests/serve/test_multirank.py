@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.conftest import I2V_IMAGE
 from tests.serve.server import REQUEST, Server, finished, wait_for
@@ -40,6 +41,11 @@ def test_four_ranks_give_generates_hashes_without_a_key(server, client, referenc
     body = client.get(f"/v1/videos/{job['id']}/content")
     assert body.status_code == 200
     assert body.content == (server.output_dir / f"{job['id']}.mp4").read_bytes()
+    memory = {s.labels["rank"]: (s.labels["kind"], s.value)
+              for f in text_string_to_metric_families(client.get("/metrics").text)
+              if f.name == "headmoe_resident_memory_bytes" for s in f.samples}
+    assert sorted(memory) == ["0", "1", "2", "3"]  # every rank's, not only rank 0's
+    assert all(kind == "host" and nbytes > 0 for kind, nbytes in memory.values()), memory
 
 
 def test_four_ranks_image_to_video_give_generates_hashes(client, i2v_reference):

@@ -21,7 +21,7 @@ FAKE_DEPLOYMENT = Deployment(model_config=SimpleNamespace(name="fake"), model="t
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--data-parallel-size", "2"], "--data-parallel-size must be 1 for serve, got 2"),
+    (["--nproc", "3", "--data-parallel-size", "2"], "--nproc has 3 ranks but the layout needs"),
     (["--nproc", "4", "--ulysses-degree", "4", "--enable-expert-parallel",
       "--expert-parallel-size", "3"], "--expert-parallel-size=3 must divide --ulysses-degree=4"),
     (["--nproc", "2"], "--nproc has 2 ranks but the layout needs"),

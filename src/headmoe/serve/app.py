@@ -21,7 +21,7 @@ Endpoints (JSON unless stated; errors are ``{"error": {"message", "type", "param
 - ``GET /`` (no key needed): the web page (`headmoe.serve.page`), on this API.
 - ``GET /health`` (never authenticated): 200 ``{"status": "ok", "replicas": [...]}``
   (`JobStore.replica_view`: each data-parallel replica's ranks, state and job); 503 while
-  loading or draining. ``GET /metrics``: Prometheus text.
+  loading or draining. ``GET /metrics``: Prometheus text (`headmoe.serve.metrics.ServerMetrics`).
 
 With an API key every endpoint but ``/health`` and the page's files needs
 ``Authorization: Bearer <key>`` (401 otherwise).
@@ -36,7 +36,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from headmoe.serve import http, images, page
@@ -79,7 +79,7 @@ def create_app(store: JobStore, spec: ServeSpec) -> FastAPI:
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             token.strip().encode(), spec.api_key.encode()
         ):
-            store.reject("401")
+            store.reject(401)
             raise _Refused(error(401, "missing or wrong API key (Authorization: Bearer <key>)",
                                  headers={"WWW-Authenticate": "Bearer"}))
 
@@ -175,13 +175,13 @@ async def _submit(request: Request, store: JobStore, spec: ServeSpec) -> Job:
         admitted, image = await _request_and_image(request, spec)
         job = store.submit(admitted.request, admitted.describe(), image, admitted.refiner)
     except RequestError as exc:
-        store.reject(str(exc.status))
+        store.reject(exc.status)
         raise _Refused(error(exc.status, exc.message, exc.param, exc.headers)) from None
     except QueueFull as exc:
-        store.reject("429")
+        store.reject(429)
         raise _Refused(error(429, str(exc))) from None
     except Draining as exc:
-        store.reject("503")
+        store.reject(503)
         raise _Refused(error(503, str(exc))) from None
     return job
 
@@ -234,10 +234,9 @@ def _add_video_routes(api: APIRouter, store: JobStore, spec: ServeSpec) -> None:
         return JSONResponse(store.view(job))
 
     @api.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        text = "\n".join([store.metrics_text().rstrip("\n"), *http.metrics_lines()]) + "\n"
-        return PlainTextResponse(text,
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics() -> Response:
+        body, content_type = store.metrics.render()
+        return Response(body, media_type=content_type)
 
 
 def _content(store: JobStore, job: Job) -> FileResponse | JSONResponse:

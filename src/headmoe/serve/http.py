@@ -15,7 +15,7 @@ of its previous response; past `HIGH_WATER` connections (and for limited ones) w
 `BUSY_HEADER_TIMEOUT_S`, and a new connection then closes the idle ones waiting longer
 than that. The body has `BODY_TIMEOUT_S` (HTTP 408, `headmoe.serve.app`). Every 429 of
 these limits is counted in `REFUSED` (``headmoe_connections_refused_total`` in
-``/metrics``).
+``/metrics``, `headmoe.serve.metrics.ServerMetrics`).
 
 `LogBudget`: at most `LOG_BURST` log records per `LOG_WINDOW_S` seconds from the HTTP
 server's and asyncio's loggers, then one line saying how many were dropped, so that a flood
@@ -182,15 +182,6 @@ class BoundedH11(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
-
-
-def metrics_lines() -> list[str]:
-    """`REFUSED` in Prometheus text."""
-    return ["# HELP headmoe_connections_refused_total Requests and connections refused "
-            "by the connection limits (429), by reason.",
-            "# TYPE headmoe_connections_refused_total counter",
-            *(f'headmoe_connections_refused_total{{reason="{r}"}} {n}'
-              for r, n in sorted(REFUSED.items()))]
 
 
 class LogBudget(logging.Filter):

@@ -21,13 +21,17 @@ metric                                     type       what
 ``headmoe_model_load_seconds``             gauge      the last model load's time
 ``headmoe_resident_memory_bytes{rank,      gauge      a rank's memory: ``kind="device"`` CUDA
 kind}``                                               memory allocated, ``kind="host"`` the
-                                                      process's resident set
+                                                      process's resident set (the global rank)
+``headmoe_connections_refused_total        counter    requests and connections refused by the
+{reason}``                                            HTTP connection limits (429; read from
+                                                      `headmoe.serve.http.REFUSED` at scrape)
 =========================================  =========  ==========================================
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,9 +43,16 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from headmoe.config import is_int
-from headmoe.serve.state import STEP_BUCKETS, TERMINAL
+from headmoe.serve import http
+
+#: the statuses a job ends in (`headmoe.serve.state.Job.status`)
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+#: upper bounds (seconds) of the step-time histogram's buckets
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 #: upper bounds (seconds) of the job-time histogram's buckets: a tiny CPU job's seconds to
 #: a long MAGI-2 clip's hours
@@ -68,6 +79,19 @@ def resident_memory(device: torch.device | str) -> tuple[str, int] | None:
     except (OSError, IndexError, ValueError):
         return None
     return "host", pages * os.sysconf("SC_PAGE_SIZE")
+
+
+class _RefusedCollector(Collector):
+    """``headmoe_connections_refused_total{reason}``: `headmoe.serve.http.REFUSED` (the
+    connection limits count in the HTTP protocol, which has no server at hand)."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "headmoe_connections_refused", "Requests and connections refused by the "
+            "connection limits (429), by reason.", labels=["reason"])
+        for reason, n in sorted(http.REFUSED.items()):
+            family.add_metric([reason], n)
+        yield family
 
 
 class ServerMetrics:
@@ -100,6 +124,7 @@ class ServerMetrics:
         self._memory = Gauge("headmoe_resident_memory_bytes", "A rank's resident memory: "
                              "CUDA memory allocated (device) or the process's RSS (host).",
                              ["rank", "kind"], registry=r)
+        r.register(_RefusedCollector())
 
     def job_queued(self) -> None:
         """A job was accepted into the queue."""
@@ -124,6 +149,10 @@ class ServerMetrics:
         """``waiting`` jobs are queued and ``busy`` replicas run one."""
         self._queue.set(waiting)
         self._busy.set(busy)
+
+    def set_replicas(self, replicas: int) -> None:
+        """The server runs ``replicas`` data-parallel replicas."""
+        self._replicas.set(replicas)
 
     def model_loaded(self, seconds: float) -> None:
         """The ranks built and loaded the model in ``seconds``."""

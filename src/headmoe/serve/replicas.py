@@ -94,7 +94,9 @@ def run_command(job: Job) -> dict[str, Any]:
 def conclude(store: JobStore, spec: ServeSpec, job: Job, outcomes: list[dict[str, Any]],
              sidecar: dict[str, Any] | None) -> None:
     """End ``job`` from every rank's outcome (``{"rank", "status", "message"}``, global
-    ranks) and, when all completed, its ``sidecar`` (its mp4 already in place)."""
+    ranks) and, when all completed, its ``sidecar`` (its mp4 already in place); each
+    rank's ``"memory"`` goes to the metrics."""
+    store.rank_memory(outcomes)
     failed = [o for o in outcomes if o["status"] == "failed"]
     if failed:  # clients never see the server's paths
         message = redact_paths(f"rank {failed[0]['rank']}: {failed[0]['message']}")

@@ -21,19 +21,17 @@ import re
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from headmoe.pipeline.request import GenerateRequest
+from headmoe.serve.metrics import ServerMetrics
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
-TERMINAL = frozenset({"completed", "failed", "cancelled"})
 ID_PATTERN = re.compile(r"video_[0-9a-f]{32}")
-#: upper bounds (seconds) of the step-time histogram's buckets
-STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 #: an absolute path's folders (POSIX or a drive letter), up to its last component
@@ -108,10 +106,12 @@ class JobLog(Protocol):
 
 class JobStore:
     """Jobs by id (insertion order), the queue of queued ids (at most ``max_queue``), the
-    draining flag and the counters behind ``/metrics``; ``db`` (optional) the database
-    every change is written through to (module docstring)."""
+    draining flag and ``metrics``, the `ServerMetrics` behind ``/metrics`` (of ``replicas``
+    data-parallel replicas); ``db`` (optional) the database every change is written through
+    to (module docstring)."""
 
-    def __init__(self, output_dir: str | Path, max_queue: int, db: JobLog | None = None):
+    def __init__(self, output_dir: str | Path, max_queue: int, db: JobLog | None = None,
+                 replicas: int = 1):
         self.output_dir = Path(output_dir).resolve()
         self.max_queue = max_queue
         self.db = db
@@ -126,10 +126,7 @@ class JobStore:
         self.model_loads = 0
         self.model_load_s: float | None = None
         self.model_loaded_at: float | None = None
-        self._finished: Counter[str] = Counter()
-        self._rejected: Counter[str] = Counter()
-        self._step_hist = [0] * (len(STEP_BUCKETS) + 1)
-        self._step_sum = 0.0
+        self.metrics = ServerMetrics(replicas)
         self._replicas: list[dict[str, Any]] = [{"replica": 0, "ranks": [0], "state": "loading",
                                                  "job": None}]
 
@@ -150,7 +147,8 @@ class JobStore:
                 self.db.add(job)
             self._jobs[job.id] = job
             self._queue.append(job.id)
-            self._finished["queued"] += 1
+            self.metrics.job_queued()
+            self._gauges()
             self._wake.notify_all()
             return job
 
@@ -189,10 +187,27 @@ class JobStore:
         for path in (mp4, mp4.with_suffix(".json")):
             path.unlink(missing_ok=True)
 
-    def reject(self, reason: str) -> None:
-        """Count a request refused before queueing (``reason``: its HTTP status)."""
+    def reject(self, code: int) -> None:
+        """Count a request refused before queueing with HTTP status ``code``."""
+        self.metrics.job_rejected(code)
+
+    def model_loaded(self, seconds: float) -> None:
+        """The ranks built and loaded the model in ``seconds``: counted (``model_loads``,
+        ``model_load_s``, ``model_loaded_at``, the metrics) and the server ready."""
         with self._lock:
-            self._rejected[reason] += 1
+            self.model_loads += 1
+            self.model_load_s, self.model_loaded_at = seconds, time.time()
+            self.metrics.model_loaded(seconds)
+            self.ready = True
+
+    def rank_memory(self, outcomes: list[dict[str, Any]]) -> None:
+        """Record each rank's ``"memory"`` (a `resident_memory` pair or None) of
+        ``outcomes`` (one dict per rank, all-gathered), labelled with its ``"rank"``: the
+        one place the rank label is formed (a global rank, given by the rank itself)."""
+        for outcome in outcomes:
+            if outcome.get("memory") is not None:
+                kind, nbytes = outcome["memory"]
+                self.metrics.rank_memory(int(outcome["rank"]), kind, int(nbytes))
 
     def output_path(self, job_id: str) -> Path:
         """``<output_dir>/<job_id>.mp4``; `ValueError` unless ``job_id`` is a server id."""
@@ -219,6 +234,7 @@ class JobStore:
             self._queue.popleft()
             job.status, job.started_at, job.replica = "in_progress", started, replica
             self._replicas[replica].update(state="busy", job=job.id)
+            self._gauges()
             return job
 
     def record_step(self, job: Job, done: int, seconds: float) -> bool:
@@ -227,9 +243,7 @@ class JobStore:
             if self.db is not None:
                 self.db.progress(job.id, done)
             job.steps_done = done
-            self._step_sum += seconds
-            slot = next((i for i, b in enumerate(STEP_BUCKETS) if seconds <= b), len(STEP_BUCKETS))
-            self._step_hist[slot] += 1
+            self.metrics.step_done(seconds)
             return job.cancel_requested
 
     def finish(self, job: Job, status: str, error: str | None, result: dict | None) -> None:
@@ -254,10 +268,16 @@ class JobStore:
         elif self.db is not None:
             self.db.end(job.id, status, error or status, now)
         job.status, job.error, job.completed_at = status, error, now
-        self._finished[status] += 1
         if job.replica is not None and self._replicas[job.replica]["job"] == job.id:
             self._replicas[job.replica].update(state="idle", job=None)
+        self.metrics.job_finished(status, max(0.0, time.time() - job.created_at))
+        self._gauges()
         job.done.set()
+
+    def _gauges(self) -> None:
+        """Set the queue-length and busy-replica gauges (under the lock)."""
+        busy = sum(j.status == "in_progress" for j in self._jobs.values())
+        self.metrics.set_queue(len(self._queue), busy)
 
     def restore(self, jobs: list[Job], readmit: Callable[[Job], Job]) -> list[Job]:
         """Fill an empty store with a restarted server's jobs (its database's rows as
@@ -276,6 +296,7 @@ class JobStore:
                         self.db.end(job.id, "failed", str(exc))
                     job.status, job.error = "failed", str(exc)
                     job.completed_at = int(time.time())
+                    self.metrics.job_finished("failed", max(0.0, time.time() - job.created_at))
                     job.done.set()
                 else:
                     if self.db is not None:
@@ -285,7 +306,9 @@ class JobStore:
                 self._jobs[job.id] = job
         with self._lock:
             self._queue.extend(j.id for j in queued)
-            self._finished["queued"] += len(queued)
+            for _ in queued:  # queued again in this server: counted as queued here
+                self.metrics.job_queued()
+            self._gauges()
             self._wake.notify_all()
         return queued
 
@@ -325,6 +348,7 @@ class JobStore:
         with self._lock:
             self._replicas = [{"replica": k, "ranks": list(r), "state": "loading", "job": None}
                               for k, r in enumerate(ranks)]
+            self.metrics.set_replicas(len(ranks))
 
     def replica_state(self, replica: int, state: str) -> None:
         """Replica ``replica`` is now ``state`` (`REPLICA_STATES`; a busy one is set by
@@ -338,37 +362,3 @@ class JobStore:
         """``/health``'s ``replicas``: each replica's index, global ranks, state and job."""
         with self._lock:
             return [dict(r, ranks=list(r["ranks"])) for r in self._replicas]
-
-    def metrics_text(self) -> str:
-        """Prometheus text exposition (version 0.0.4) of the server's counters."""
-        with self._lock:
-            queued = len(self._queue)
-            running = sum(j.status == "in_progress" for j in self._jobs.values())
-            lines = [
-                "# HELP headmoe_requests_total Jobs accepted (queued) and ended, by status.",
-                "# TYPE headmoe_requests_total counter",
-                *(f'headmoe_requests_total{{status="{s}"}} {self._finished[s]}'
-                  for s in ("queued", *sorted(TERMINAL))),
-                "# HELP headmoe_requests_rejected_total Requests refused before queueing.",
-                "# TYPE headmoe_requests_rejected_total counter",
-                *(f'headmoe_requests_rejected_total{{code="{c}"}} {n}'
-                  for c, n in sorted(self._rejected.items())),
-                "# HELP headmoe_queue_length Jobs waiting in the queue.",
-                "# TYPE headmoe_queue_length gauge",
-                f"headmoe_queue_length {queued}",
-                "# HELP headmoe_jobs_in_progress Jobs running on the ranks.",
-                "# TYPE headmoe_jobs_in_progress gauge",
-                f"headmoe_jobs_in_progress {running}",
-                "# HELP headmoe_model_loads_total Times the ranks built and loaded the model.",
-                "# TYPE headmoe_model_loads_total counter",
-                f"headmoe_model_loads_total {self.model_loads}",
-                "# HELP headmoe_step_seconds Denoising step time on rank 0.",
-                "# TYPE headmoe_step_seconds histogram",
-            ]
-            acc = 0
-            for bound, n in zip((*STEP_BUCKETS, "+Inf"), self._step_hist):
-                acc += n
-                lines.append(f'headmoe_step_seconds_bucket{{le="{bound}"}} {acc}')
-            lines += [f"headmoe_step_seconds_sum {self._step_sum}",
-                      f"headmoe_step_seconds_count {acc}"]
-            return "\n".join(lines) + "\n"

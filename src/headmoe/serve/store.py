@@ -67,7 +67,8 @@ from headmoe.errors import RuntimeFault, UserError
 from headmoe.pipeline.image import ReferenceImage
 from headmoe.pipeline.refine import RefinerStage
 from headmoe.pipeline.request import GenerateRequest
-from headmoe.serve.state import ID_PATTERN, STATUSES, TERMINAL, Job
+from headmoe.serve.metrics import TERMINAL
+from headmoe.serve.state import ID_PATTERN, STATUSES, Job
 
 #: ``PRAGMA application_id`` of a headmoe job database: "HMoE" in ASCII
 APPLICATION_ID = 0x484D6F45

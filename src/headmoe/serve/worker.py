@@ -54,6 +54,7 @@ from headmoe.pipeline.request import GenerateRequest
 from headmoe.pipeline.stop import CANCEL, GO_ON, LayerGate, StopAtLayer
 from headmoe.serve import wire
 from headmoe.serve.http import bound_logs, uvicorn_options
+from headmoe.serve.metrics import resident_memory
 from headmoe.serve.replicas import Channel, RemoteLeader, ReplicaProxy, conclude, run_command
 from headmoe.serve.spec import ServeSpec
 from headmoe.serve.state import ID_PATTERN, Job, JobStore
@@ -250,6 +251,7 @@ def run_one(ctx: ParallelContext, parts: Components, spec: ServeSpec, cmd: dict[
 
     ctx.counters.reset()
     result, outcome = None, {"rank": ctx.rank, "status": "completed", "message": None}
+    outcome["memory"] = resident_memory(device)
     local = (lambda: CANCEL if leader.stop_now() else GO_ON) if leader else (lambda: GO_ON)
     try:
         with LayerGate(parts, device, local):
@@ -327,10 +329,13 @@ def serve_rank(spec: ServeSpec, rank: int, world_size: int, *,
             _start_front(leader, proxies, world_size)
         t0 = time.perf_counter()
         parts = build_components(ctx, _template(rspec))
+        load_s = time.perf_counter() - t0
+        memory = wire.all_gather_json(  # every rank of the replica, global rank labels
+            {"rank": place.rank, "memory": resident_memory(ctx.device)}, device=ctx.device)
         if leader is not None:
-            _announce(leader, time.perf_counter() - t0, ctx, place.replicas)
+            _announce(leader, load_s, ctx, memory, place.replicas)
         elif remote is not None:
-            remote.loaded(time.perf_counter() - t0)
+            remote.loaded(load_s)
         serve_loop(ctx, parts, rspec, leader or remote, place.replica)
         clean = True
     finally:
@@ -388,14 +393,15 @@ def _stop_front(leader: Leader, proxies: list[ReplicaProxy], clean: bool) -> Non
         leader.store.db.close()
 
 
-def _announce(leader: Leader, load_s: float, ctx: ParallelContext, replicas: int) -> None:
-    """Replica 0's model is in: the server takes jobs (the others' proxies send them jobs
-    once theirs are in too)."""
+def _announce(leader: Leader, load_s: float, ctx: ParallelContext,
+              memory: list[dict[str, Any]], replicas: int) -> None:
+    """Replica 0's model is in (``load_s`` s; ``memory`` its ranks' ``{"rank",
+    "memory"}``): the server takes jobs (the others' proxies send them jobs once theirs are
+    in too)."""
     store = leader.store
-    store.model_loads += 1
-    store.model_load_s, store.model_loaded_at = load_s, time.time()
+    store.rank_memory(memory)
     store.replica_state(0, "idle")
-    store.ready = True
+    store.model_loaded(load_s)
     host, port = leader.sock.getsockname()[:2]
     print(f"headmoe serve: listening on http://{host}:{port} ({ctx.world_size * replicas} "
           f"rank(s), {replicas} replica(s) of {ctx.world_size}, model "
