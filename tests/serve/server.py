@@ -56,6 +56,21 @@ class Server:
     def log(self) -> str:
         return (self.out + self.err).decode(errors="replace")
 
+    def tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the server's stderr (for assertion messages)."""
+        text = self.err.decode(errors="replace").splitlines()[-lines:]
+        return "server stderr tail:\n" + "\n".join(text)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict:
+        """Poll ``GET /health`` until 200 (every replica's model loaded); its body."""
+        deadline = time.monotonic() + timeout
+        with self.client() as client:
+            while (r := client.get("/health")).status_code != 200:
+                assert self.proc.poll() is None, self.tail()
+                assert time.monotonic() < deadline, f"not ready: {r.text}\n{self.tail()}"
+                time.sleep(0.1)
+        return r.json()
+
     def client(self, api_key: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         return httpx.Client(base_url=self.url, headers=headers, timeout=60)
@@ -94,6 +109,22 @@ def wait_for(client: httpx.Client, video_id: str, done, timeout: float = 120) ->
 
 def finished(job: dict) -> bool:
     return job["status"] in ("completed", "failed", "cancelled")
+
+
+def generate_samples_hashes(tmp: Path, cache: Path,
+                            requests: list[dict]) -> list[tuple[str, str]]:
+    """``headmoe generate --samples`` of ``requests`` (one model load, in this process):
+    each request's (video_sha256, audio_sha256), in order."""
+    from headmoe.cli.main import main
+
+    samples = tmp / "samples.jsonl"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    out = tmp / "samples.mp4"
+    assert main(["generate", "--samples", str(samples), "--cache-dir", str(cache),
+                 "--output", str(out), "--no-progress"]) == 0
+    sides = [json.loads((tmp / f"samples.{n}.json").read_text())
+             for n in range(1, len(requests) + 1)]
+    return [(side["video_sha256"], side["audio_sha256"]) for side in sides]
 
 
 def generate_hashes(tmp: Path, cache: Path, request: dict) -> tuple[str, str]:
