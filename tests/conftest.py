@@ -43,7 +43,7 @@ def tiny_release_master(tmp_path_factory) -> Path:
     return release.tiny_release(tmp_path_factory.mktemp("tiny-release"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_release_in(tiny_release_master):
     """``seed(cache) -> Path``: what ``release.tiny_release(cache)`` returns, without writing
     the release again: the session's folder hard-linked into ``cache`` under the same name
