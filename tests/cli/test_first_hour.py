@@ -41,11 +41,11 @@ def _printed_command(argv, capsys):
 
 @pytest.mark.parametrize("world, stream, fmt", [
     *((w, s, None) for w in (1, 2, 8) for s in (False, True)), (2, False, "fp8")])
-def test_plans_printed_command_runs_the_plan(world, stream, fmt, tmp_path, capsys, monkeypatch):
+def test_plans_printed_command_runs_the_plan(world, stream, fmt, tmp_path, capsys, monkeypatch,
+                                             tiny_release_in):
     import headmoe.pipeline.job as job_module
-    from headmoe.release import folder as release
 
-    folder = release.tiny_release(tmp_path / "cache")
+    folder = tiny_release_in(tmp_path / "cache")
     flags = ["--offload-layers", "--resident-layers", "1"] if stream else []
     flags += ["--expert-format", fmt] if fmt else []
     command = _printed_command(["plan", "--model", str(folder), "--world-size", str(world),
@@ -69,11 +69,10 @@ def test_plans_printed_command_runs_the_plan(world, stream, fmt, tmp_path, capsy
     assert (req.height, req.width, req.num_frames) == (64, 96, 13)  # the tiny recipe's
 
 
-def test_plans_printed_command_runs_as_printed(tmp_path, capsys):
+def test_plans_printed_command_runs_as_printed(tmp_path, capsys, tiny_release_in):
     """The printed line itself, in a shell, on 2 ranks with streamed layers."""
-    from headmoe.release import folder as release
 
-    folder = release.tiny_release(tmp_path / "cache")
+    folder = tiny_release_in(tmp_path / "cache")
     command = _printed_command(["plan", "--model", str(folder), "--world-size", "2",
                                 "--offload-layers"], capsys)
     exe = Path(sys.executable).with_name("headmoe")
@@ -104,10 +103,10 @@ def _launch_nothing(monkeypatch, tmp_path):
     return jobs
 
 
-def test_unused_entries_are_one_line_and_rounding_is_said(tmp_path, capsys, monkeypatch):
-    from headmoe.release import folder as release
+def test_unused_entries_are_one_line_and_rounding_is_said(tmp_path, capsys, monkeypatch,
+                                                          tiny_release_in):
 
-    folder = release.tiny_release(tmp_path / "cache")
+    folder = tiny_release_in(tmp_path / "cache")
     jobs = _launch_nothing(monkeypatch, tmp_path)
     assert main(["generate", "--model", str(folder), "--prompt", "a fox", "--seconds", "1",
                  "--nproc", "2", "--ulysses-degree", "2"]) == 0
@@ -195,13 +194,13 @@ def test_openmp_threads_sleep_unless_the_environment_says_otherwise():
     assert out.stdout.split() == ["ACTIVE", "0"], out
 
 
-def test_plan_takes_a_folders_expert_format_and_refuses_what_generate_would(tmp_path, capsys):
+def test_plan_takes_a_folders_expert_format_and_refuses_what_generate_would(tmp_path, capsys,
+                                                                            tiny_release_in):
     """A bf16 folder: FP8 with streamed layers is refused as generate refuses it; its
     `headmoe quantize` copy plans FP8 without the flag and prints it in the command."""
-    from headmoe.release import folder as release
     from headmoe.release.quantize import quantize_release
 
-    folder = release.tiny_release(tmp_path / "cache")
+    folder = tiny_release_in(tmp_path / "cache")
     plan = ["plan", "--world-size", "2", "--text-tokens", "8"]
     assert main([*plan, "--model", str(folder), "--expert-format", "fp8",
                  "--offload-layers"]) != 0

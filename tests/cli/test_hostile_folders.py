@@ -33,8 +33,8 @@ TE = release.TEXT_ENCODER_DIR
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return release.tiny_release(tmp_path_factory.mktemp("cache"))
+def folder(tmp_path_factory, tiny_release_in) -> Path:
+    return tiny_release_in(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture

@@ -108,14 +108,13 @@ def test_plan_16_ranks_follows_the_guides_exchange_rule():
     assert twin.bytes_sent_per_forward > best.bytes_sent_per_forward
 
 
-def test_plan_is_readable_and_prints_the_generate_flags(capsys, tmp_path):
+def test_plan_is_readable_and_prints_the_generate_flags(capsys, tmp_path, tiny_release_in):
     import dataclasses
 
     from headmoe.cli.flags import parallel_of
     from headmoe.cli.main import build_parser
-    from headmoe.release import folder as release
 
-    folder = release.tiny_release(tmp_path / "cache")
+    folder = tiny_release_in(tmp_path / "cache")
     assert main(["plan", "--model", str(folder), "--world-size", "4", "--height", "64",
                  "--width", "96", "--num-frames", "13", "--text-tokens", "8"]) == 0
     out = capsys.readouterr().out

@@ -76,8 +76,9 @@ def test_unused_fields_are_read_not_refused():
     assert Magi2RefinerConfig.from_dict(data).num_layers == NESTED["arch"]["num_layers"]
 
 
-def test_release_folder_with_a_nested_refiner_config(tmp_path_factory, tmp_path):
-    folder = release.tiny_release(tmp_path_factory.mktemp("cache"))
+def test_release_folder_with_a_nested_refiner_config(tmp_path_factory, tmp_path,
+                                                     tiny_release_in):
+    folder = tiny_release_in(tmp_path_factory.mktemp("cache"))
     copy_dir = tmp_path / "release"
     shutil.copytree(folder, copy_dir, symlinks=True)
     tiny = get_refiner_config("tiny-refiner")

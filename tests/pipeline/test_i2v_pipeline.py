@@ -34,8 +34,8 @@ REQUEST = ["--height", "64", "--width", "96", "--num-frames", "5", "--num-infere
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return release.tiny_release(tmp_path_factory.mktemp("cache"))
+def folder(tmp_path_factory, tiny_release_in) -> Path:
+    return tiny_release_in(tmp_path_factory.mktemp("cache"))
 
 
 def _image_path(name: str = "landscape_37x23") -> Path:

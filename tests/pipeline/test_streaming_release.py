@@ -60,10 +60,10 @@ def _streamed(rank, world_size, folder, out):
 
 
 @pytest.mark.multirank
-def test_streamed_runs_write_the_resident_bytes(tmp_path):
+def test_streamed_runs_write_the_resident_bytes(tmp_path, tiny_release_in):
     from headmoe.testing import run_ranks
 
-    folder = release.tiny_release(tmp_path)
+    folder = tiny_release_in(tmp_path)
     per_rank = run_ranks(_streamed, 4, args=(str(folder), str(tmp_path)), timeout=600)
     found = release.find_release(folder)
     threads = torch.get_num_threads()

@@ -180,13 +180,13 @@ def test_plan_cli_table_and_errors(capsys):
     assert "memory" in capsys.readouterr().err
 
 
-def test_component_bytes_match_the_loaded_tiny_components(tmp_path):
+def test_component_bytes_match_the_loaded_tiny_components(tmp_path, tiny_release_in):
     from headmoe.planner.components import component_bytes
     from headmoe.release import folder as release
     from headmoe.release import placement
     from headmoe.release.text_encoder import Qwen35TextEncoder
 
-    folder = release.tiny_release(tmp_path)
+    folder = tiny_release_in(tmp_path)
     parts = component_bytes("tiny")
     assert component_bytes(str(folder)) == parts  # the folder's own configs agree
 
