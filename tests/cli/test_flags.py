@@ -128,7 +128,7 @@ def test_attention_flag_reaches_the_forward_plan(cache):
         Magi2Transformer(cfg, attention="auto")
 
 
-def test_cuda_graphs_flag_is_off_by_default_and_refused_on_cpu_before_any_rank(cache):
+def test_cuda_graphs_flag_is_off_by_default_and_refused_on_cpu_before_any_rank(cache, tmp_path):
     """``--cuda-graphs``: default off (the Deployment's field, recorded in the sidecar's
     layout); on CPU ranks generate's `build_job` and serve's `build_spec` (which run before
     any rank starts) raise a ValueError naming the flag and the device."""
@@ -137,7 +137,7 @@ def test_cuda_graphs_flag_is_off_by_default_and_refused_on_cpu_before_any_rank(c
     assert args.cuda_graphs is False
     assert build_deployment(flags.options_of(args)).cuda_graphs is False
     for argv in (["generate", *base, "--prompt", "x", "--cuda-graphs"],
-                 ["serve", *base, "--cuda-graphs"]):
+                 ["serve", *base, "--output-dir", str(tmp_path / "v"), "--cuda-graphs"]):
         args = build_parser().parse_args(argv)
         assert args.cuda_graphs is True
         build = generate_cli.build_job if argv[0] == "generate" else serve_cli.build_spec
