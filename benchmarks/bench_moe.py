@@ -48,7 +48,8 @@ TINY = {"heads": 12, "d": 32, "f": 64, "k": 2, "experts": 8}
 
 
 def interleaved(methods: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds per method; every repetition runs each method once, after a warm-up."""
+    """Median seconds per method (and its minimum under ``name + "_min"``); every
+    repetition runs each method once, after a warm-up."""
     times: dict[str, list[float]] = {name: [] for name in methods}
     for i in range(reps + 1):
         for name, fn in methods.items():
@@ -56,7 +57,8 @@ def interleaved(methods: dict[str, Callable[[], object]], reps: int) -> dict[str
             fn()
             if i:
                 times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    out = {name: statistics.median(ts) for name, ts in times.items()}
+    return out | {f"{name}_min": min(ts) for name, ts in times.items()}
 
 
 def dense_bound(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor):
@@ -98,11 +100,16 @@ def weights_for(shape: dict, experts: int) -> tuple[torch.Tensor, ...]:
             torch.randn(n, f, d, generator=g) / math.sqrt(f))  # fmt: skip
 
 
+def min_med(r: dict, name: str) -> str:
+    """``name``'s "min / median" ms of `measure`'s result ("-" where not measured)."""
+    return "-" if name not in r else f"{r[name + '_min'] * 1e3:.1f} / {r[name] * 1e3:.1f}"
+
+
 def row(name: str, experts: int, tokens: int, r: dict) -> list:
     loop = r.get("loop")
     return [
-        name, experts, tokens, f"{r['route'] * 1e3:.1f}", f"{r['fast'] * 1e3:.1f}",
-        f"{r['dense'] * 1e3:.1f}", "-" if loop is None else f"{loop * 1e3:.1f}",
+        name, experts, tokens, min_med(r, "route"), min_med(r, "fast"), min_med(r, "dense"),
+        min_med(r, "loop"),
         f"{r['fast'] / r['dense']:.2f}", "-" if loop is None else f"{loop / r['fast']:.1f}",
         f"{r['gflop'] / r['fast']:.0f}",
     ]
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     magi_tokens = (1024, 4096) if args.quick else (1024, 2048, 4096, 8192)
     tiny_tokens = (64, 256, 1024)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {reps} reps + 1 "
-          "warm-up, median ms; ratios fast/dense and loop/fast", flush=True)
+          "warm-up, min / median ms; ratios (of medians) fast/dense and loop/fast", flush=True)
     print(load_average(), flush=True)
     rows = []
     for dname in args.dtypes:
@@ -141,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         del weights
         gc.collect()
     print(markdown_table(
-        ["regime", "experts/head", "tokens", "route ms", "fast ms", "dense ms", "loop ms",
+        ["regime", "experts/head", "tokens", "route ms min / median", "fast ms min / median",
+         "dense ms min / median", "loop ms min / median",
          "fast / dense", "loop / fast", "fast GFLOP/s"], rows))  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """One-GPU check of headmoe's Triton path (issue 21): one run of at most `--budget-s`
 seconds (default 360) that cannot stop half-way without a report.
 
-First the environment (device name, versions, clocks), then eleven sections, each in its own
+First the environment (device name, versions, clocks), then twelve sections, each in its own
 try/except, the markdown file `--out` rewritten (atomically) after every section, so a
 failure or the budget running out loses only the rest of that section:
 
@@ -50,6 +50,13 @@ failure or the budget running out loses only the rest of that section:
     batch, time of both; and the fused layer linear (`triton_dense.linear_rows`: RMSNorm
     prologue, SwiGLU7 epilogue, bf16 out) against the unfused kernels at the SP8 per-rank
     shape (3,709 tokens, 3072 -> 2 x 2560): differing rows, error, time of both.
+(k) CUDA graphs (`headmoe.layers.cuda_graphs.GraphedStep`, `--cuda-graphs`): one
+    sync-free layer step at the SP8 per-rank shape (fused mHC branch, the fused layer
+    linear, routing + the MoE experts) eager vs captured and replayed: outputs
+    `torch.equal`, a second input of the same shape replayed, a shape not captured running
+    eagerly, min / median ms of both over the repeats, and the kernel launches of one
+    eager step against the graph launches of one replay (torch.profiler); a dry run
+    captures with the CPU stand-in (`stand_in`), every code path, no timing.
 
 Exit status 0 when every check passed, 1 when a check or a section failed or the budget
 ran out, 2 without a CUDA device. Targets (ratios in the table, never asserted by timed
@@ -118,6 +125,7 @@ SECTIONS = {
     "h": "fused mHC (coefficients + Sinkhorn, input, update) vs the eager torch definition",
     "i": "FP8 routed experts (W8A16): error, widenings, rows, speed and bytes/s vs bf16",
     "j": "fused expert tile vs the two kernels; fused layer linear vs the unfused ops",
+    "k": "CUDA graphs: a sync-free layer step eager vs graphed (bits, time, launches)",
 }
 
 
@@ -1097,10 +1105,109 @@ def section_fusion(ctx: Ctx) -> None:
     check_fused_linear(ctx)
 
 
+# ---------------------------------------------------------------------------- (k) graphs
+def graph_step_inputs(ctx: Ctx, t: int, seed: int) -> dict[str, Any]:
+    """The layer step's inputs at ``t`` tokens: mHC state and branch output, the fused
+    linear's weights, the MoE inputs (`moe_inputs`) of its rows."""
+    sh = ctx.sh
+    n, c = sh.streams, sh.hidden
+    g = torch.Generator(device=ctx.device).manual_seed(seed)
+    f32 = {"dtype": torch.float32, "gen": g}
+    return {"state": ctx.randn(t, n, c, gen=g), "y": ctx.randn(t, c, gen=g),
+            "mhc": (ctx.randn(n * c, scale=0.1, **f32), ctx.randn(n * c, 2 * n + n * n, **f32),
+                    tuple(ctx.randn(1, **f32).abs() for _ in range(3)),
+                    (ctx.randn(n, **f32), ctx.randn(n, **f32), ctx.randn(n * n, **f32))),
+            "w": ctx.randn(2 * sh.shared, c, scale=c**-0.5, gen=g),
+            "nw": ctx.randn(c, scale=0.1, **f32), "moe": moe_inputs(ctx, t, seed)}  # fmt: skip
+
+
+def graph_step(ctx: Ctx, inp: dict[str, Any]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """A layer-shaped step with no host sync on CUDA: the fused mHC branch, the fused layer
+    linear (RMSNorm prologue, SwiGLU7), Triton routing and experts (grids from an upper
+    bound). Takes (state [t, n, C], y [t, C], z [t, heads, d]); returns its outputs."""
+    moe = inp["moe"]
+
+    def step(state: torch.Tensor, y: torch.Tensor, z: torch.Tensor):
+        x_in, new_state = mhc_branch(state, inp["mhc"], y, ctx.dtype, True)
+        norm = triton_dense.RowNorm(triton_dense.rms_inv_rows(x_in, 1e-6), inp["nw"])
+        up = triton_dense.linear_rows(x_in, inp["w"].t(), norm=norm, swiglu=True,
+                                      out_dtype=ctx.dtype)  # fmt: skip
+        ids, w = route_triton(z, moe["gate"], moe["bias"], ctx.sh.top_k, 4.9)
+        return x_in, new_state, up, experts_triton(z, ids, w, *moe["weights"])
+
+    return step
+
+
+def launches(ctx: Ctx, fn: Callable[[], Any]) -> tuple[int, int]:
+    """(kernel launches, graph launches) of one call of ``fn`` in torch.profiler's CUDA
+    runtime events; (0, 0) in a dry run (no CUDA runtime)."""
+    if ctx.dry:
+        fn()
+        return 0, 0
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    kernels = sum("LaunchKernel" in x or x.startswith("cuLaunch") for x in names)
+    return kernels, sum("GraphLaunch" in x for x in names)
+
+
+def min_median(ctx: Ctx, fn: Callable[[], Any]) -> str:
+    """min / median ms of `ctx.sh.reps` single-call timings, or "ran (dry)"."""
+    if ctx.dry:
+        fn()
+        return "ran (dry)"
+    times = [ctx.time(fn, reps=1) for _ in range(ctx.sh.reps)]
+    ms = [x for x in times if x is not None]
+    return f"min {min(ms):.3f} ms, median {statistics.median(ms):.3f} ms"
+
+
+def section_graphs(ctx: Ctx) -> None:
+    """The layer step eager vs `GraphedStep` (module doc, section k)."""
+    from headmoe.layers.cuda_graphs import GraphedStep, stand_in
+
+    sh, t = ctx.sh, ctx.sh.t_local
+    inp = graph_step_inputs(ctx, t, seed=21)
+    step = graph_step(ctx, inp)
+    graphed = GraphedStep(step, **(stand_in() if ctx.dry else {}))
+    shape = f"{t:,} tok x {sh.streams} x {sh.hidden}, {sh.heads} MoE heads, {ctx.dtype}"
+    shape = shape.replace("torch.", "")
+    with forced_triton(ctx.dry):
+        args = (inp["state"], inp["y"], inp["moe"]["z"])
+        eager, first = step(*args), graphed(*args)
+        other = graph_step_inputs(ctx, t, seed=22)
+        args2 = (other["state"], other["y"], other["moe"]["z"])
+        eager2, replay2 = step(*args2), graphed(*args2)
+        same = all(torch.equal(a, b) for a, b in zip((*eager, *eager2), (*first, *replay2)))
+        ctx.report.add("k", "graphed step == eager step (torch.equal, capture and a "
+                       "replay of new inputs)", shape,
+                       f"{len(graphed.graphs)} graph(s), {graphed.replays} replays, "
+                       f"refused: {list(graphed.refused.values()) or 'none'}", "equal",
+                       same and graphed.replays == 2 and not graphed.refused)  # fmt: skip
+        small = graph_step_inputs(ctx, t // 2 + 1, seed=23)
+        args3 = (small["state"], small["y"], small["moe"]["z"])
+        out3 = graphed(*args3, capture=False)
+        ok3 = graphed.eager_calls == 1 and all(torch.equal(a, b)
+                                               for a, b in zip(out3, step(*args3)))
+        ctx.report.add("k", "a shape not captured runs eagerly", f"{t // 2 + 1:,} tok",
+                       f"{graphed.eager_calls} eager call(s)", "1, equal", ok3)  # fmt: skip
+        t_eager, t_graph = min_median(ctx, lambda: step(*args)), \
+            min_median(ctx, lambda: graphed(*args))  # fmt: skip
+        ctx.report.add("k", "one step: eager; graphed", shape, f"{t_eager}; {t_graph}")
+        k_eager, _ = launches(ctx, lambda: step(*args))
+        k_graph, g_graph = launches(ctx, lambda: graphed(*args))
+        ctx.report.add("k", "launches of one step: eager kernels; graphed kernels + graphs",
+                       shape, "counted on a GPU only (dry)" if ctx.dry else
+                       f"{k_eager}; {k_graph} + {g_graph} (saved {k_eager - k_graph})")  # fmt: skip
+
+
 SECTION_FNS: dict[str, Callable[[Ctx], None]] = {
     "0": section_compile, "a": section_checks, "b": section_probe, "c": section_moe,
     "d": section_attention, "e": section_layer, bench_stream.SECTION: bench_stream.gpu_section,
     "g": section_refiner, "h": section_mhc, "i": section_fp8, "j": section_fusion,
+    "k": section_graphs,
 }  # fmt: skip
 
 

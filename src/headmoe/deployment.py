@@ -25,6 +25,7 @@ from headmoe.distributed.context import rank_device, rank_threads
 from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.topology import plan_topology
 from headmoe.errors import UserError
+from headmoe.layers.cuda_graphs import check_cuda_graphs
 from headmoe.layers.flash_attention import resolve_attention
 from headmoe.models.magi2 import Magi2Config, get_config, validate_parallel
 from headmoe.models.magi2.config import PRESETS
@@ -68,6 +69,8 @@ class DeploymentOptions:
     checkpoint's own (a plan or a configuration: "bf16")."""
     attention: str = "auto"
     """``--attention`` (`headmoe.layers.flash_attention.resolve_attention`)."""
+    cuda_graphs: bool = False
+    """``--cuda-graphs`` (`headmoe.layers.cuda_graphs.check_cuda_graphs`)."""
     max_memory_gib: float | None = None
     """The per-rank budget in GiB (None: the detected limit; 0: no check)."""
     budget_flag: str = "--max-memory-gib"
@@ -116,6 +119,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
     expert_format = check_expert_stream(opts, stored, checkpoint)
     device = rank_device().type
     attention = resolve_attention(opts.attention, device, opts.cache_dir)
+    check_cuda_graphs(opts.cuda_graphs, device, opts.offload_layers, world)
     ranks = local_ranks(world)
     budget = memory_budget(opts.max_memory_gib, opts.budget_flag, ranks, device)
     check_stream(opts.offload_layers, opts.resident_layers, model_config.num_layers)
@@ -130,7 +134,7 @@ def build_deployment(opts: DeploymentOptions) -> Deployment:
         refiner_problem="" if release is None else release.refiner_problem or "",
         threads=rank_threads(ranks), max_time_s=check_max_time(opts.max_time),
         step_cache=str(Path(opts.cache_dir).expanduser() / STEP_TIMES_FILE),
-        timeout_s=opts.timeout, attention=attention)
+        timeout_s=opts.timeout, attention=attention, cuda_graphs=opts.cuda_graphs)
     if not opts.server:
         return dep
     return dataclasses.replace(dep, resident_refiner=dep.has_refiner,

@@ -128,6 +128,24 @@ def test_attention_flag_reaches_the_forward_plan(cache):
         Magi2Transformer(cfg, attention="auto")
 
 
+def test_cuda_graphs_flag_is_off_by_default_and_refused_on_cpu_before_any_rank(cache, tmp_path):
+    """``--cuda-graphs``: default off (the Deployment's field, recorded in the sidecar's
+    layout); on CPU ranks generate's `build_job` and serve's `build_spec` (which run before
+    any rank starts) raise a ValueError naming the flag and the device."""
+    base = ["--cache-dir", str(cache)]
+    args = build_parser().parse_args(["generate", *base, "--prompt", "x"])
+    assert args.cuda_graphs is False
+    assert build_deployment(flags.options_of(args)).cuda_graphs is False
+    for argv in (["generate", *base, "--prompt", "x", "--cuda-graphs"],
+                 ["serve", *base, "--output-dir", str(tmp_path / "v"), "--cuda-graphs"]):
+        args = build_parser().parse_args(argv)
+        assert args.cuda_graphs is True
+        build = generate_cli.build_job if argv[0] == "generate" else serve_cli.build_spec
+        with pytest.raises(ValueError, match=r"--cuda-graphs needs CUDA ranks; the ranks run "
+                           r"on device='cpu'"):
+            build(args)
+
+
 def test_the_flash_path_runs_in_the_model(monkeypatch):
     """With the flash backends stood in for by the math definition (CPU), a forward of
     ``attention="flash"`` goes through `flash_segment_attention` in every layer and agrees

@@ -52,6 +52,10 @@ def test_dry_run_passes_every_check_and_writes_the_report(tmp_path, interpreted)
     fp8 = [r for r in rows if r[0] == "i" and r[1].startswith("experts, ")]
     assert len(fp8) == 2 * len(gpu_check.DRY.moe_tokens), fp8  # bf16 and FP8 per count
     assert all(r[3] == "ran (dry)" for r in fp8), fp8  # timed (TFLOP/s, GB/s) on a GPU only
+    graphs = [r for r in rows if r[0] == "k"]  # CUDA graphs, captured with the CPU stand-in
+    assert [r[5] for r in graphs] == ["ok", "ok", "", ""], graphs
+    assert graphs[0][3] == "1 graph(s), 2 replays, refused: none"
+    assert graphs[1][3] == "1 eager call(s)" and graphs[2][3] == "ran (dry); ran (dry)"
 
 
 def test_a_failing_section_leaves_a_complete_report(tmp_path, interpreted, capsys):  # noqa: F811

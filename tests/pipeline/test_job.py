@@ -68,6 +68,7 @@ def test_single_rank_matches_reference_and_writes_outputs(tmp_path):
     assert side["step_times_s"]["max"] == side["step_times_s"]["per_rank"]["0"]
     assert side["total_s"] >= sum(side["step_times_s"]["max"])
     assert side["layout"]["ulysses_degree"] == 1 and side["counters"]["0"]["moe_calls"] == 0
+    assert side["layout"]["cuda_graphs"] is False  # --cuda-graphs: off by default
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.json", "clip.mp4"]
 
 

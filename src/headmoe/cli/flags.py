@@ -113,6 +113,11 @@ FLAGS: tuple[Flag, ...] = (
         f"benchmarks/gpu_check.py has recorded its invariance for this GPU and torch/CUDA/"
         f"cuDNN in <cache-dir>/{PROOF_FILE}, else triton (default: auto; CPU ranks run the "
         "torch definition, and refuse flash)")}),
+    Flag("cuda_graphs", OPTIONS, {"action": "store_true", "help": (
+        "capture the denoise step as CUDA graphs (docs/model.md, 'CUDA graphs'): refused "
+        "on CPU ranks, with --offload-layers and on more than one rank; the transformer "
+        "forward is not captured yet (benchmarks/gpu_check.py section k measures a "
+        "sync-free step; default: off)")}),
     Flag("cache_dir", OPTIONS, {"default": "~/.cache/headmoe", "help": (
         "where the tiny release folder is written once (default: ~/.cache/headmoe)")}, named=False),
     # ---- the request (admission's input fields)

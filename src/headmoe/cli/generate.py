@@ -37,7 +37,7 @@ from headmoe.release.folder import RANDOM_WEIGHTS_NOTE
 
 #: generate's flags (`headmoe.cli.flags`), in the order ``--help`` lists them
 MODEL_FLAGS = ("model", "model_config", "video_decoder", "offload", "offload_layers",
-               "resident_layers", "expert_format", "attention", "cache_dir")
+               "resident_layers", "expert_format", "attention", "cuda_graphs", "cache_dir")
 REQUEST_FLAGS = ("image", "negative_prompt", "resolution", "size", "height", "width",
                  "num_frames", "fps", "num_inference_steps", "seed", "guidance_scale",
                  "audio_guidance_scale", "shift", "seconds", "sampler", "dtype",

@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
     )
     flags.add(
         p, "model", "model_config", "cache_dir", "dtype", *flags.LAYOUT_FIELDS,
-        "offload_layers", "resident_layers", "expert_format", "attention", "nproc",
+        "offload_layers", "resident_layers", "expert_format", "attention", "cuda_graphs", "nproc",
         "timeout",
         model={"help": "'tiny' (the default), a release folder or a checkpoint path"},
         model_config={"help": "transformer configuration: a preset or a JSON file (as "

@@ -107,6 +107,9 @@ class Deployment:
     attention: str = "triton"
     """The MAGI-2 attention path the ranks run (`ATTENTION_PATHS`: the answer of
     `headmoe.layers.flash_attention.resolve_attention` to ``--attention``)."""
+    cuda_graphs: bool = False
+    """``--cuda-graphs``: capture the denoise step (`headmoe.layers.cuda_graphs`; refused
+    by `check_cuda_graphs` where it cannot run); recorded in the sidecar's layout."""
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s)

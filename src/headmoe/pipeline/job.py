@@ -478,6 +478,7 @@ def _sidecar(ctx: ParallelContext, job: GenerateJob, parts: Components, noise: N
                    "resolved_expert_parallel_size": topo.expert_parallel_size,
                    "ep_replicas": topo.ep_replicas, "dp_index": coords.dp,
                    "offload_layers": job.offload_layers, "resident_layers": job.resident_layers,
+                   "cuda_graphs": job.deployment.cuda_graphs,
                    "ranks": [x["rank"] for x in group]},
         "latents": {"video": list(noise.video.shape), "audio": list(noise.audio.shape)},
         "image": None if job.image is None else {
