@@ -38,12 +38,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from headmoe.config import ParallelConfig
+from headmoe.distributed.context import ParallelContext
 from headmoe.distributed.topology import plan_topology
 
 if TYPE_CHECKING:  # torch.distributed is imported where a rank starts, not at import
     from torch.distributed import Store  # type: ignore[attr-defined]
-
-    from headmoe.distributed.context import ParallelContext
 
 #: the launch store's prefix of replica k's own process group
 REPLICA_PREFIX = "headmoe/replica{}/"
@@ -132,8 +131,6 @@ def join_replica(place: ReplicaPlace, base: Store, config: ParallelConfig,
     process group on the prefix `REPLICA_PREFIX` of ``base``) and create the groups of
     `replica_config` (``config`` with DP 1) in it; every rank of the replica calls it."""
     import torch.distributed as dist
-
-    from headmoe.distributed.context import ParallelContext
 
     prefixed = dist.PrefixStore(  # type: ignore[attr-defined]
         REPLICA_PREFIX.format(place.replica), base)
