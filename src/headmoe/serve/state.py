@@ -106,12 +106,11 @@ class JobLog(Protocol):
 
 class JobStore:
     """Jobs by id (insertion order), the queue of queued ids (at most ``max_queue``), the
-    draining flag and ``metrics``, the `ServerMetrics` behind ``/metrics`` (of ``replicas``
-    data-parallel replicas); ``db`` (optional) the database every change is written through
+    draining flag, the replicas' states (`set_replicas`) and ``metrics``, the
+    `ServerMetrics` behind ``/metrics``; ``db`` (optional) the database every change is written through
     to (module docstring)."""
 
-    def __init__(self, output_dir: str | Path, max_queue: int, db: JobLog | None = None,
-                 replicas: int = 1):
+    def __init__(self, output_dir: str | Path, max_queue: int, db: JobLog | None = None):
         self.output_dir = Path(output_dir).resolve()
         self.max_queue = max_queue
         self.db = db
@@ -126,7 +125,7 @@ class JobStore:
         self.model_loads = 0
         self.model_load_s: float | None = None
         self.model_loaded_at: float | None = None
-        self.metrics = ServerMetrics(replicas)
+        self.metrics = ServerMetrics()
         self._replicas: list[dict[str, Any]] = [{"replica": 0, "ranks": [0], "state": "loading",
                                                  "job": None}]
 

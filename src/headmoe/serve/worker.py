@@ -403,6 +403,7 @@ def _announce(leader: Leader, load_s: float, ctx: ParallelContext,
     store.replica_state(0, "idle")
     store.model_loaded(load_s)
     host, port = leader.sock.getsockname()[:2]
-    print(f"headmoe serve: listening on http://{host}:{port} ({ctx.world_size * replicas} "
-          f"rank(s), {replicas} replica(s) of {ctx.world_size}, model "
+    ranks = f"{ctx.world_size} rank(s)" if replicas == 1 else (
+        f"{ctx.world_size * replicas} rank(s), {replicas} replicas of {ctx.world_size}")
+    print(f"headmoe serve: listening on http://{host}:{port} ({ranks}, model "
           f"{leader.spec.deployment.model}, loaded in {load_s:.1f} s)", flush=True)
