@@ -13,9 +13,14 @@ models feed here is a multiple of 16 fp32 values, so row slices stay aligned. Ev
 layout-dependent matmul in headmoe goes through these helpers; tests/layers/test_matmul.py
 checks the property on the machine that runs the tests.
 
-The thread count must not matter either (`headmoe.numerics`): fp32 GEMMs run in oneMKL's
-strict reproducible mode, which `import headmoe` sets. torch sends CPU bf16 and fp16 GEMMs
-to oneDNN instead, which splits some shapes by thread count (measured with torch 2.13 on an
+The thread count must not matter either (`headmoe.numerics`): fp32 GEMMs run inside
+`headmoe.numerics.reproducible_blas` (oneMKL's strict reproducible mode, which `import
+headmoe` sets). Where strict mode does not hold (another vendor's CPU, a non-AVX2 MKL
+branch) MKL runs on one thread and `cpu_product` cuts every product into row blocks of
+`BLOCK_ROWS`: measured under ``MKL_CBWR=COMPATIBLE,STRICT`` on an Intel Xeon, the
+padding rule above did not hold (row 17 of a ``[17, 384] @ [384, 96]`` product differed
+from the same row of a 700-row product) while fixed 64-row blocks kept every row's bits
+(tests/test_numerics.py). torch sends CPU bf16 and fp16 GEMMs to oneDNN instead, which splits some shapes by thread count (measured with torch 2.13 on an
 Intel Xeon with AMX: bf16 ``[298, 1536] @ [1536, 64]`` and ``[2000, 3072] @ [3072, 3072]``
 differ between 1, 2 and 3 threads), so on the CPU these run as fp32 MKL GEMMs and are
 rounded back: a product of two bf16 (or fp16) values is exact in fp32 and the accumulation
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from headmoe.layers import triton_dense, triton_runtime
+from headmoe.numerics import blas_mode, reproducible_blas
 
 #: reduction dims of `Linear` and of the MoE's CPU GEMMs are padded to a multiple of this
 #: many values (16 fp32 = 64 bytes: every row of an operand starts 64-byte aligned)
@@ -45,17 +51,41 @@ MIN_ROWS = 16
 
 #: CPU GEMM dtypes that torch runs on oneDNN (thread-count dependent); computed in fp32 here
 _ONEDNN_FLOATS = (torch.bfloat16, torch.float16)
+#: where oneMKL's strict mode does not hold (`headmoe.numerics.BlasMode.one_thread`), CPU
+#: products run in row blocks of exactly this many rows (the last one zero-padded): every
+#: call then has one shape and takes one kernel path, whatever the row count
+BLOCK_ROWS = 64
 
 
-def _cpu_product(op: Callable[..., torch.Tensor], first: torch.Tensor,
-                 *operands: torch.Tensor | None) -> torch.Tensor:
-    """``op(*operands)`` on the CPU with a thread-count-independent kernel: reduced floats
-    (`_ONEDNN_FLOATS`) computed in fp32 by oneMKL and returned in the first operand's dtype."""
+def _row_blocks(op: Callable[..., torch.Tensor], first: torch.Tensor,
+                *operands: torch.Tensor | None) -> torch.Tensor:
+    """``op(first, *operands)`` as products of `BLOCK_ROWS`-row blocks of ``first``'s rows
+    (its dim -2: `[M, K]` or `[G, M, K]`)."""
+    m = first.shape[-2]
+    if m % BLOCK_ROWS:
+        padded = first.new_zeros((*first.shape[:-2], -(-m // BLOCK_ROWS) * BLOCK_ROWS,
+                                  first.shape[-1]))
+        padded[..., :m, :] = first
+        first = padded
+    blocks = [op(first[..., s : s + BLOCK_ROWS, :], *operands)
+              for s in range(0, first.shape[-2], BLOCK_ROWS)]
+    return torch.cat(blocks, dim=-2)[..., :m, :]
+
+
+def cpu_product(op: Callable[..., torch.Tensor], first: torch.Tensor,
+                *operands: torch.Tensor | None) -> torch.Tensor:
+    """``op(first, *operands)`` on the CPU with a thread-count-independent kernel, for ops
+    that are row-local in ``first`` (dim -2; `F.linear`, `torch.matmul`, `torch.bmm`):
+    reduced floats (`_ONEDNN_FLOATS`) computed in fp32 by oneMKL and returned in ``first``'s
+    dtype; inside `reproducible_blas`, and in `BLOCK_ROWS` row blocks where its one-thread
+    mode applies (a row's bits then do not depend on the row count on any MKL branch)."""
     dtype = first.dtype
-    if dtype not in _ONEDNN_FLOATS:
-        return op(first, *operands)
-    wide = [None if t is None else t.float() for t in operands]
-    return op(first.float(), *wide).to(dtype)
+    run = _row_blocks if blas_mode().one_thread else (lambda f, a, *o: f(a, *o))
+    with reproducible_blas():
+        if dtype not in _ONEDNN_FLOATS:
+            return run(op, first, *operands)
+        wide = [None if t is None else t.float() for t in operands]
+        return run(op, first.float(), *wide).to(dtype)
 
 
 def _pad_rows(x2d: torch.Tensor) -> torch.Tensor:
@@ -83,7 +113,7 @@ def bi_linear(
         return x.new_empty((*lead, weight.shape[0]))
     if triton_runtime.use_triton(x2d):
         return triton_dense.matmul(x2d, weight.t(), bias).reshape(*lead, weight.shape[0])
-    out = _cpu_product(F.linear, _pad_rows(x2d), weight, bias)
+    out = cpu_product(F.linear, _pad_rows(x2d), weight, bias)
     return out[:m].reshape(*lead, weight.shape[0])
 
 
@@ -94,7 +124,7 @@ def bi_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.new_empty((0, b.shape[1]))
     if triton_runtime.use_triton(a):
         return triton_dense.matmul(a, b)
-    return _cpu_product(torch.matmul, _pad_rows(a), b)[:m]
+    return cpu_product(torch.matmul, _pad_rows(a), b)[:m]
 
 
 def bi_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -109,4 +139,4 @@ def bi_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         padded = a.new_zeros((g, MIN_ROWS, k))
         padded[:, :m] = a
         a = padded
-    return _cpu_product(torch.bmm, a, b)[:, :m]
+    return cpu_product(torch.bmm, a, b)[:, :m]

@@ -13,10 +13,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
-from headmoe.layers.matmul import ALIGN
+from headmoe.layers.matmul import ALIGN, cpu_product
+from headmoe.numerics import blas_mode
 
 
 def aligned(n: int) -> int:
@@ -37,18 +41,24 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Te
     b[g] (fp32 `[G, K, N]`) -> fp32 `[P, N]`; ends: `[G]` int32 cumulative row ends (empty
     groups allowed). On the CPU `torch._grouped_mm` runs one GEMM per group in C++; without
     it (torch before 2.9), and on other devices (CUDA's `_grouped_mm` takes bf16 operands
-    only, and these are fp32), the same GEMMs run from a Python loop (`grouped_mm_loop`)."""
+    only, and these are fp32), the same GEMMs run from a Python loop (`grouped_mm_loop`).
+    Where oneMKL's strict mode does not hold (`headmoe.numerics`), each group runs through
+    `headmoe.layers.matmul.cpu_product` (one MKL thread, fixed row blocks)."""
+    if a.device.type == "cpu" and blas_mode().one_thread:
+        return grouped_mm_loop(a, b, ends, partial(cpu_product, torch.matmul))
     if hasattr(torch, "_grouped_mm") and a.device.type == "cpu":
         return torch._grouped_mm(a, b, offs=ends)
     return grouped_mm_loop(a, b, ends)
 
 
-def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """`grouped_mm` as a Python loop over the non-empty groups (same shapes and bits)."""
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor,
+                    product: Callable[..., torch.Tensor] = torch.matmul) -> torch.Tensor:
+    """`grouped_mm` as a Python loop of ``product(rows, b[g])`` over the non-empty groups
+    (with `torch.matmul`: the same shapes and bits as `torch._grouped_mm`)."""
     out = a.new_empty((a.shape[0], b.shape[2]))
     start = 0
     for g, end in enumerate(ends.tolist()):
         if end > start:
-            out[start:end] = a[start:end] @ b[g]
+            out[start:end] = product(a[start:end], b[g])
         start = end
     return out

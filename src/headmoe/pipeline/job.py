@@ -44,7 +44,7 @@ from headmoe.distributed.launch import torchrun_env
 from headmoe.distributed.topology import is_output_coords
 from headmoe.distributed.watchdog import Heartbeat, interrupt_once, note_step
 from headmoe.models.magi2 import BranchInput, Magi2Config
-from headmoe.numerics import numerics_record, require_reproducible_blas
+from headmoe.numerics import numerics_record, reproducible_blas, require_reproducible_blas
 from headmoe.pipeline.deployment import Deployment
 from headmoe.pipeline.health import (
     DECODER_HINT,
@@ -407,6 +407,7 @@ def decode(parts: Components, req: GenerateRequest, xv: torch.Tensor, xa: torch.
     return frames, quantize_audio(wave)
 
 
+@reproducible_blas()  # the text encoder and decoders too (headmoe.numerics)
 def run_request(
     ctx: ParallelContext,
     job: GenerateJob,
