@@ -62,10 +62,13 @@ class Server:
         return "server stderr tail:\n" + "\n".join(text)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> dict:
-        """Poll ``GET /health`` until 200 (every replica's model loaded); its body."""
+        """Poll ``GET /health`` until every replica's model is loaded; its body. The server
+        answers 200 once replica 0 is in (it admits jobs then); the other replicas may
+        still report ``"loading"`` for a moment, so this waits for none to."""
         deadline = time.monotonic() + timeout
         with self.client() as client:
-            while (r := client.get("/health")).status_code != 200:
+            while (r := client.get("/health")).status_code != 200 or any(
+                    rep["state"] == "loading" for rep in r.json().get("replicas", [])):
                 assert self.proc.poll() is None, self.tail()
                 assert time.monotonic() < deadline, f"not ready: {r.text}\n{self.tail()}"
                 time.sleep(0.1)
