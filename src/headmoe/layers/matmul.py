@@ -20,9 +20,9 @@ branch) MKL runs on one thread and `cpu_product` cuts every product into row blo
 `BLOCK_ROWS`: measured under ``MKL_CBWR=COMPATIBLE,STRICT`` on an Intel Xeon, the
 padding rule above did not hold (row 17 of a ``[17, 384] @ [384, 96]`` product differed
 from the same row of a 700-row product) while fixed 64-row blocks kept every row's bits
-(tests/test_numerics.py). torch sends CPU bf16 and fp16 GEMMs to oneDNN instead, which splits some shapes by thread count (measured with torch 2.13 on an
-Intel Xeon with AMX: bf16 ``[298, 1536] @ [1536, 64]`` and ``[2000, 3072] @ [3072, 3072]``
-differ between 1, 2 and 3 threads), so on the CPU these run as fp32 MKL GEMMs and are
+(tests/test_numerics.py). torch sends CPU bf16 and fp16 GEMMs to oneDNN instead, which
+splits some shapes by thread count (measured with torch 2.13 on an Intel Xeon with AMX:
+bf16 ``[298, 1536] @ [1536, 64]`` and ``[2000, 3072] @ [3072, 3072]`` differ between 1, 2 and 3 threads), so on the CPU these run as fp32 MKL GEMMs and are
 rounded back: a product of two bf16 (or fp16) values is exact in fp32 and the accumulation
 is fp32 in both, so only the summation order changes, as between any two GEMM kernels.
 
@@ -72,6 +72,11 @@ def _row_blocks(op: Callable[..., torch.Tensor], first: torch.Tensor,
     return torch.cat(blocks, dim=-2)[..., :m, :]
 
 
+def _whole(op: Callable[..., torch.Tensor], first: torch.Tensor,
+           *operands: torch.Tensor | None) -> torch.Tensor:
+    return op(first, *operands)
+
+
 def cpu_product(op: Callable[..., torch.Tensor], first: torch.Tensor,
                 *operands: torch.Tensor | None) -> torch.Tensor:
     """``op(first, *operands)`` on the CPU with a thread-count-independent kernel, for ops
@@ -80,7 +85,7 @@ def cpu_product(op: Callable[..., torch.Tensor], first: torch.Tensor,
     dtype; inside `reproducible_blas`, and in `BLOCK_ROWS` row blocks where its one-thread
     mode applies (a row's bits then do not depend on the row count on any MKL branch)."""
     dtype = first.dtype
-    run = _row_blocks if blas_mode().one_thread else (lambda f, a, *o: f(a, *o))
+    run = _row_blocks if blas_mode().one_thread else _whole
     with reproducible_blas():
         if dtype not in _ONEDNN_FLOATS:
             return run(op, first, *operands)
